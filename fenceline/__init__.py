@@ -1,0 +1,5 @@
+"""fenceline: a PostgreSQL-backed job scheduler on Trio."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from fenceline.cli import main
+
+raise SystemExit(main())
