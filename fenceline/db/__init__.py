@@ -1,0 +1,1 @@
+"""Trio-native PostgreSQL: driver, pool, listener, migrator, embedded server."""

@@ -1,0 +1,1 @@
+"""The archiver: moves terminal jobs to cold tables."""

@@ -1,0 +1,1 @@
+"""Engine calls: one function per fl.* SQL function."""

@@ -1,0 +1,1 @@
+"""Scheduler sweeps: one module per sweep, each single-runner across replicas."""

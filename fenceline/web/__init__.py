@@ -1,0 +1,1 @@
+"""The dashboard: templates and static files."""

@@ -1,0 +1,1 @@
+"""The worker runtime and built-in handlers."""

@@ -1,0 +1,1 @@
+"""Numbered SQL migrations, shipped in the wheel as fenceline.migrations (see pyproject)."""
