@@ -234,6 +234,7 @@ async def run_embedded(
     docstring) and returns only once the postmaster has exited. If postgres exits on its own,
     ``EmbeddedServerError`` is raised.
     """
+    clock = trio.current_time()
     plan = await trio.to_thread.run_sync(_preflight, settings)
     log.info(
         "starting embedded PostgreSQL %s: data dir %s%s%s",
@@ -242,7 +243,6 @@ async def run_embedded(
         f", server runs as {plan.account.name}" if plan.account else "",
         "" if plan.initialized else " (new: running initdb)",
     )
-    clock = trio.current_time()
     lock_fd = await trio.to_thread.run_sync(_prepare, plan)
     # Errors are raised outside the nursery so callers see them bare, not in an ExceptionGroup.
     failure: Exception | None = None
@@ -313,7 +313,7 @@ def read_running_dsn(data_dir: Path) -> str | None:
     try:
         info = _read_pid_file(data_dir)
         text = (data_dir / DSN_FILE).read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except PermissionError as exc:
         raise ConfigError(f"cannot read the embedded server's files in {data_dir}: {exc}") from exc
@@ -567,21 +567,28 @@ def _runtime_parts(tree: Path) -> list[tuple[Path, Path]]:
 
 
 def _tree_usable_by(tree: Path, account: _Account) -> bool:
-    """Whether ``account`` can traverse to and read every file postgres and initdb load."""
+    """Whether ``account`` can reach and read what postgres and initdb load.
+
+    The realistic failure is a private folder above the tree (a virtualenv under a 0700
+    home), so every ancestor is checked; inside the tree, the folders and the files the
+    binaries cannot start without. Checking every file would cost ~30 ms per start.
+    """
+    parts = [part for part, _ in _runtime_parts(tree)]
+    files = [tree / "bin" / "postgres", tree / "bin" / "initdb", tree / "share" / "postgres.bki"]
     try:
-        for part, _ in _runtime_parts(tree):
-            if not all(_may(p.stat(), account, 0o1) for p in part.parents):
+        if not all(_may(p.stat(), account, 0o1) for p in [tree, *tree.parents]):
+            return False
+        for part in parts:
+            if not _may(part.stat(), account, 0o5):
                 return False
-            for root, _dirs, files in os.walk(part):
-                if not _may(os.stat(root), account, 0o5):
-                    return False
-                for name in files:
-                    st = os.stat(os.path.join(root, name))
-                    if not _may(st, account, 0o5 if st.st_mode & 0o111 else 0o4):
-                        return False
+            if part.name.endswith(".libs"):
+                files += part.iterdir()
+        return all(
+            _may(st, account, 0o5 if st.st_mode & 0o111 else 0o4)
+            for st in (f.stat() for f in files)
+        )
     except OSError:
         return False
-    return True
 
 
 def _cached_tree(cache_root: Path, source_tree: Path, version: str) -> Path:
@@ -937,18 +944,25 @@ def _child_env() -> dict[str, str]:
 
 async def _run_tool(plan: _Plan, argv: list[str]) -> subprocess.CompletedProcess[bytes]:
     account = plan.account
-    return await trio.run_process(
-        argv,
-        stdin=subprocess.DEVNULL,
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-        env=_child_env(),
-        user=account.uid if account else None,
-        group=account.gid if account else None,
-        extra_groups=[] if account else None,
-        deliver_cancel=_terminate,
-    )
+    try:
+        return await trio.run_process(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env=_child_env(),
+            user=account.uid if account else None,
+            group=account.gid if account else None,
+            extra_groups=[] if account else None,
+            deliver_cancel=_terminate,
+        )
+    except OSError as exc:
+        raise EmbeddedServerError(f"cannot run {argv[0]}{_as(account)}: {exc}") from exc
+
+
+def _as(account: _Account | None) -> str:
+    return f" as {account.name}" if account else ""
 
 
 async def _terminate(process: trio.Process) -> None:
@@ -1092,6 +1106,8 @@ async def _spawn_and_wait(
                 deliver_cancel=_shutdown_postmaster,
             )
         )
+    except OSError as exc:
+        raise EmbeddedServerError(f"cannot run {argv[0]}{_as(account)}: {exc}") from exc
     finally:
         os.close(log_fd)  # the child has its own copy
     with trio.move_on_after(_START_TIMEOUT_S):
@@ -1132,9 +1148,10 @@ def _open_log(path: Path) -> tuple[int, int]:
 
 
 def _log_tail(path: Path, offset: int, lines: int = 5) -> str:
+    """The last lines postgres wrote to its log after ``offset``, on one line."""
     try:
         with open(path, "rb") as f:
-            f.seek(offset)
+            f.seek(max(offset, f.seek(0, os.SEEK_END) - 8192))
             text = f.read().decode(errors="replace")
     except OSError:
         return "(no log)"
