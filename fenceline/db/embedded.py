@@ -1206,8 +1206,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             fsync=not args.no_fsync,
         )
         trio.run(_serve, settings)
-    except ConfigError as exc:
-        print(f"fenceline: {exc}", file=sys.stderr)
+    except (ConfigError, ExceptionGroup) as exc:
+        # run_embedded raises bare, but the nursery in _serve wraps what comes out of it.
+        config_error = exc
+        while isinstance(config_error, ExceptionGroup) and len(config_error.exceptions) == 1:
+            config_error = config_error.exceptions[0]
+        if not isinstance(config_error, ConfigError):
+            raise
+        print(f"fenceline: {config_error}", file=sys.stderr)
         return 2
     return 0
 

