@@ -697,7 +697,10 @@ def _prepare(plan: _Plan) -> int:
             plan.source_tree,
             plan.tree,
         )
-        _copy_tree(plan.source_tree, plan.tree.parent.parent)
+        try:
+            _copy_tree(plan.source_tree, plan.tree.parent.parent)
+        except OSError as exc:
+            raise ConfigError(f"cannot copy the PostgreSQL binaries to {plan.tree}: {exc}") from exc
     return _lock_data_dir(plan.data_dir)
 
 

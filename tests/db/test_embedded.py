@@ -102,6 +102,13 @@ def is_running(pid: int) -> bool:
     return True
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def uid_of(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
@@ -220,14 +227,17 @@ async def test_warm_restart_reuses_the_data_and_the_port(
     assert not any("initdb" in r.getMessage() for r in caplog.records)
 
 
-async def launch_then_kill_9(data_dir: Path, stderr_path: Path) -> tuple[str, int]:
+async def launch_then_kill_9(data_dir: Path, stderr_path: Path, port: int) -> tuple[str, int]:
     """Run ``python -m fenceline.db.embedded`` as a daemon would, then SIGKILL it.
 
     Returns the DSN it printed and the pid of the postmaster it left behind.
     """
     with stderr_path.open("wb") as stderr:
         launcher = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "fenceline.db.embedded", "--data-dir", str(data_dir)],
+            [
+                *(sys.executable, "-m", "fenceline.db.embedded"),
+                *("--data-dir", str(data_dir), "--port", str(port)),
+            ],
             stdout=subprocess.PIPE,
             stderr=stderr,
             cwd=REPO,
@@ -260,7 +270,8 @@ async def test_recovers_after_the_launcher_is_killed(
     """kill -9 of the daemon leaves postgres running (or, if killed too, stale lock files)."""
     caplog.set_level(logging.INFO, logger="fenceline.embedded")
     data_dir = base / "data"
-    dsn, old_pid = await launch_then_kill_9(data_dir, base / "launcher.stderr")
+    port = free_port()
+    dsn, old_pid = await launch_then_kill_9(data_dir, base / "launcher.stderr", port)
     try:
         assert is_running(old_pid), "postgres should outlive its launcher"
         assert read_running_dsn(data_dir) == dsn  # the server really is still running
@@ -272,7 +283,8 @@ async def test_recovers_after_the_launcher_is_killed(
             assert (data_dir / "postmaster.pid").exists()
 
         async with trio.open_nursery() as nursery:
-            server = await start(nursery, quick(data_dir))
+            # Same port: the orphan holding it must not count as "port in use".
+            server = await start(nursery, quick(data_dir, port=port))
             assert not is_running(old_pid)
             assert server.pid != old_pid
             assert await aquery(server.dsn, "select v from kept") == [("survived",)]
@@ -302,9 +314,7 @@ async def test_postgres_exiting_on_its_own_is_an_error(base: Path) -> None:
 @pytest.mark.slow
 async def test_long_data_dir_gets_a_short_socket_folder(base: Path) -> None:
     data_dir = base / ("d" * 100) / "data"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     async with trio.open_nursery() as nursery:
         server = await start(nursery, quick(data_dir, port=port))
         assert server.port == port
