@@ -60,8 +60,9 @@ A daemon killed with SIGKILL.
     starts its own. We restart rather than adopt it so that the server is always a child of
     the nursery (its lifetime, its log and its shutdown are ours) and runs with the current
     settings. A lock held by a live process is a ``ConfigError``: two daemons never share
-    one data dir. A ``postmaster.pid`` whose pid is dead, a zombie, or some other program
-    (pid reuse after a reboot) is removed before the start.
+    one data dir. Lock files (``postmaster.pid``, ``.s.PGSQL.<port>.lock``) whose pid is
+    dead, a not-yet-reaped zombie, or some other program (pid reuse after a reboot) are
+    removed before the start; postgres itself refuses to start over a zombie's lock file.
 
 Durability.
     ``initdb`` and ``postgres`` keep PostgreSQL's durable defaults. ``fsync=False`` exists for
@@ -71,7 +72,8 @@ Durability.
 The first log lines (logger ``fenceline.embedded``) say that the server is embedded, where its
 data lives, the DSN to give to ``psql``, and where its own log is (its stderr goes to
 ``postgres.log``; rotated once at 10 MB). ``read_running_dsn()`` lets another process (``fenceline
-db-url``) print the DSN while the server runs.
+db-url``) print the DSN while the server runs. ``python -m fenceline.db.embedded`` runs just the
+database in the foreground and prints its DSN.
 """
 
 from __future__ import annotations
