@@ -24,9 +24,6 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import psycopg
 import trio
@@ -35,9 +32,11 @@ from fenceline.api.server import serve_api
 from fenceline.config import Settings
 from fenceline.db import migrator
 from fenceline.db.connection import connect
+from fenceline.db.listener import Listener
 from fenceline.db.pool import Pool, PoolTimeout, open_pool
 from fenceline.errors import ConfigError, find_exception
 from fenceline.readiness import Readiness
+from fenceline.service import Service, ServiceContext
 
 log = logging.getLogger("fenceline.supervisor")
 
@@ -49,30 +48,6 @@ BACKOFF_CAP = 30.0
 HEALTHY_AFTER = 60.0
 # Extra time past --drain-timeout for draining services to report what they released.
 DRAIN_GRACE = 5.0
-
-
-@dataclass
-class ServiceContext:
-    """What every service receives."""
-
-    settings: Settings
-    readiness: Readiness
-    pool: Pool
-    draining: trio.Event = field(default_factory=trio.Event)
-
-
-class ServiceRun(Protocol):
-    def __call__(self, ctx: ServiceContext, *,
-                 task_status: trio.TaskStatus[None] = ...) -> Awaitable[None]: ...
-
-
-@dataclass(frozen=True)
-class Service:
-    name: str
-    run: ServiceRun
-    # True for services that finish their own work on drain (workers); False for loops
-    # that are simply cancelled when the drain starts (sweeps).
-    drains: bool = False
 
 
 class Backoff:
@@ -152,7 +127,9 @@ def services_for(settings: Settings) -> list[Service]:
     if "archiver" in settings.roles:
         wanted.append(idle_service("archiver", "arrives with the archiver"))
     if "worker" in settings.roles:
-        wanted.append(idle_service("worker", "arrives with the job engine"))
+        from fenceline.worker.service import run_worker_role
+
+        wanted.append(Service("worker", run_worker_role, drains=True))
     return wanted
 
 
@@ -224,6 +201,8 @@ async def _run_services(ctx: ServiceContext, dsn: str, services: list[Service]) 
         with trio.CancelScope() as startup:
             nursery.start_soon(_cancel_on, ctx.draining, startup)
             await prepare_database(dsn, ctx.readiness, ctx.pool)
+            ctx.listener = Listener(dsn, name="main")
+            await nursery.start(start, Service("listener", _run_listener))
             for service in services:
                 await nursery.start(start, service)
                 log.info("service started", extra={"service": service.name})
@@ -237,6 +216,12 @@ async def _run_services(ctx: ServiceContext, dsn: str, services: list[Service]) 
         )
 
 
+async def _run_listener(ctx: ServiceContext, *,
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    assert ctx.listener is not None
+    await ctx.listener.run(task_status=task_status)
+
+
 async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
     await event.wait()
     scope.cancel()
@@ -245,7 +230,7 @@ async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
 async def _with_database(settings: Settings, readiness: Readiness, dsn: str,
                          draining: trio.Event) -> None:
     async with open_pool(dsn, max_size=settings.pool_size, name="main") as pool:
-        ctx = ServiceContext(settings, readiness, pool, draining)
+        ctx = ServiceContext(settings, readiness, pool, dsn=dsn, draining=draining)
         api_shutdown = trio.Event()
         async with trio.open_nursery() as api_nursery:
             if "api" in settings.roles:
