@@ -133,6 +133,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lease", "--lease", "FENCELINE_LEASE", parse_seconds, "30",
             "Worker role: lease length in seconds; a silent worker's jobs are reclaimed "
             "after it."),
+    Setting("reaper_interval", "--reaper-interval", "FENCELINE_REAPER_INTERVAL", parse_seconds,
+            "1", "Scheduler role: seconds between reaper passes (expired leases)."),
+    Setting("promoter_interval", "--promoter-interval", "FENCELINE_PROMOTER_INTERVAL",
+            parse_seconds, "1", "Scheduler role: seconds between promoter passes (due jobs)."),
+    Setting("breaker_interval", "--breaker-interval", "FENCELINE_BREAKER_INTERVAL",
+            parse_seconds, "1", "Scheduler role: seconds between circuit-breaker passes."),
+    Setting("orphan_interval", "--orphan-interval", "FENCELINE_ORPHAN_INTERVAL",
+            parse_seconds, "15", "Scheduler role: seconds between lease-orphan and "
+            "worker-liveness passes."),
 )
 
 
@@ -153,6 +162,10 @@ class Settings:
     queue: str | None = None
     concurrency: int = 16
     lease: float = 30.0
+    reaper_interval: float = 1.0
+    promoter_interval: float = 1.0
+    breaker_interval: float = 1.0
+    orphan_interval: float = 15.0
 
     @property
     def embedded(self) -> bool:

@@ -123,7 +123,9 @@ def services_for(settings: Settings) -> list[Service]:
     """The services the enabled roles start, in start-up order."""
     wanted: list[Service] = []
     if "scheduler" in settings.roles:
-        wanted.append(idle_service("scheduler", "sweeps arrive with the job engine"))
+        from fenceline.scheduler.sweeps import scheduler_services
+
+        wanted.extend(scheduler_services())
     if "archiver" in settings.roles:
         wanted.append(idle_service("archiver", "arrives with the archiver"))
     if "worker" in settings.roles:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import enum
 
-# 'fl' in ASCII: the classid of every fenceline advisory lock.
+# 'fl' in ASCII: the classid of every single-runner fenceline advisory lock.
 NAMESPACE = 0x666C
+# 'fm': the classid of per-queue locks, objid = hashtext(queue id). fl.claim holds one for
+# the rest of its transaction so the concurrency cap is counted and filled atomically.
+QUEUE_NAMESPACE = 0x666D
 
 
 class Lock(enum.IntEnum):
@@ -29,3 +32,4 @@ class Lock(enum.IntEnum):
     PARTITIONS = 18
     SUMMARIES = 19
     LEASE_ORPHANS = 20
+    WORKER_LIVENESS = 21
