@@ -160,7 +160,9 @@ async def prepare_database(dsn: str, readiness: Readiness, pool: Pool) -> None:
     backoff = Backoff()
     while True:
         try:
+            readiness.reason = "connecting to the database"
             async with await connect(dsn) as conn:
+                readiness.reason = "applying migrations"
                 applied = await migrator.migrate(conn)
             break
         except migrator.MigrationError as exc:

@@ -43,7 +43,8 @@ def get(port: int, path: str) -> tuple[int, dict[str, Any], str]:
         return err.code, json.loads(err.read()), err.headers["content-type"]
 
 
-def wait_for(port: int, path: str, status: int, within: float) -> dict[str, Any]:
+def wait_for(port: int, path: str, status: int, within: float,
+             daemon: Daemon | None = None) -> dict[str, Any]:
     deadline = time.monotonic() + within
     last: Any = None
     while time.monotonic() < deadline:
@@ -55,7 +56,9 @@ def wait_for(port: int, path: str, status: int, within: float) -> dict[str, Any]
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             last = exc
         time.sleep(0.1)
-    raise AssertionError(f"{path} did not answer {status} within {within}s; last: {last}")
+    logs = daemon.log_tail() if daemon is not None else ""
+    raise AssertionError(f"{path} did not answer {status} within {within}s; last: {last}"
+                         f"\n--- daemon log ---\n{logs}")
 
 
 class Daemon:
@@ -63,25 +66,32 @@ class Daemon:
         self.port = port
         full_env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
         full_env.update(env, LOG_FORMAT="json", API_PORT=str(port))
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the daemon
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fenceline", "run", *extra], env=full_env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.DEVNULL, stderr=self.stderr, text=True,
         )
+
+    def log_tail(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-4000:]
 
     def stop(self, sig: int = signal.SIGTERM) -> tuple[int, float, str]:
         began = time.monotonic()
         self.proc.send_signal(sig)
         try:
-            _, err = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-            raise AssertionError(f"daemon did not stop after {sig}: {err[-2000:]}") from None
-        return self.proc.returncode, time.monotonic() - began, err
+            self.proc.wait()
+            raise AssertionError(f"daemon did not stop after {sig}: {self.log_tail()}") from None
+        took = time.monotonic() - began
+        self.stderr.seek(0)
+        return self.proc.returncode, took, self.stderr.read()
 
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.communicate()
+        self.proc.wait()
 
 
 @pytest.fixture
@@ -115,7 +125,7 @@ def test_run_with_database_url_is_ready_and_stops_on_sigterm(dsn: str) -> None:
     daemon = Daemon(port, {"DATABASE_URL": dsn})
     try:
         assert wait_for(port, "/healthz", 200, READY_WITHIN) == {"status": "ok"}
-        body = wait_for(port, "/readyz", 200, READY_WITHIN)
+        body = wait_for(port, "/readyz", 200, READY_WITHIN, daemon)
         assert body["status"] == "ready"
     except BaseException:
         daemon.kill()
@@ -147,7 +157,7 @@ def test_unknown_path_and_method_answer_problem_json(dsn: str) -> None:
     port = free_port()
     daemon = Daemon(port, {"DATABASE_URL": dsn}, "--roles", "api")
     try:
-        wait_for(port, "/readyz", 200, READY_WITHIN)
+        wait_for(port, "/readyz", 200, READY_WITHIN, daemon)
         code, body, ctype = get(port, "/no/such/path")
         assert (code, body["code"]) == (404, "not_found")
         assert ctype.startswith("application/problem+json")
@@ -168,7 +178,7 @@ def test_embedded_start_stop_reuse_and_recover_after_kill(data_root: Path) -> No
     # 1. Cold start: ready within the bound, the first log lines say where the data is.
     daemon = Daemon(port, env)
     try:
-        wait_for(port, "/readyz", 200, READY_WITHIN)
+        wait_for(port, "/readyz", 200, READY_WITHIN, daemon)
         pid = postmaster_pid(data_dir)
         assert pid is not None and alive(pid)
         url = subprocess.run([sys.executable, "-m", "fenceline", "db-url", "--data-dir",
@@ -191,7 +201,7 @@ def test_embedded_start_stop_reuse_and_recover_after_kill(data_root: Path) -> No
     # 2. Warm start reuses the data dir.
     daemon = Daemon(port, env)
     try:
-        wait_for(port, "/readyz", 200, READY_WITHIN)
+        wait_for(port, "/readyz", 200, READY_WITHIN, daemon)
         url_text = subprocess.run([sys.executable, "-m", "fenceline", "db-url", "--data-dir",
                                    str(data_dir)], capture_output=True, text=True,
                                   timeout=30).stdout.strip()
@@ -207,7 +217,7 @@ def test_embedded_start_stop_reuse_and_recover_after_kill(data_root: Path) -> No
     # 4. A new start recovers from the stale postmaster.
     daemon = Daemon(port, env)
     try:
-        wait_for(port, "/readyz", 200, READY_WITHIN)
+        wait_for(port, "/readyz", 200, READY_WITHIN, daemon)
     except BaseException:
         daemon.kill()
         raise
