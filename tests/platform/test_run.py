@@ -87,11 +87,14 @@ class Daemon:
             raise AssertionError(f"daemon did not stop after {sig}: {self.log_tail()}") from None
         took = time.monotonic() - began
         self.stderr.seek(0)
-        return self.proc.returncode, took, self.stderr.read()
+        text = self.stderr.read()
+        self.stderr.close()
+        return self.proc.returncode, took, text
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        self.stderr.close()
 
 
 @pytest.fixture
