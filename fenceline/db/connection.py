@@ -44,6 +44,24 @@ sans-IO generators (`psycopg.generators`); only the code that *waits* is replace
 # 6. `TrioCursor.copy()` aborts a COPY that a cancellation left half done (CopyFail for COPY
 #    FROM, cancel and drain for COPY TO). Upstream psycopg leaves such a connection ACTIVE,
 #    on asyncio too.
+#
+# Three more rules came out of this module's own fuzz runs:
+#
+# 7. `wait()` never raises `Cancelled` after its generator has completed. psycopg's callers
+#    read "wait() raised" as "the operation did not happen": a pipeline `__aenter__` that
+#    raised after entering pipeline mode was never exited (psycopg then trips an assert).
+#    The cancellation points are the socket waits, plus a `checkpoint_if_cancelled()` before
+#    each polled write inside a generator (rule 1 then drains it), so that a COPY or pipeline
+#    that never fills the socket still stops. The busy-loop yield after a generator that
+#    completed without waiting is `cancel_shielded_checkpoint()`: fairness only.
+# 8. In pipeline mode the interrupted generator is drained even when no command is ACTIVE:
+#    psycopg's pipeline bookkeeping (queued commands and results, the final Sync) must run to
+#    its end. Generators we give up on are closed at once (`_drop`), not by the collector.
+# 9. A cancellation that lands on COMMIT is sent to the server by rule 1; a COMMIT cancelled
+#    before it started committing leaves the session INERROR with no transaction block left
+#    to end it. `TrioConnection.transaction()` rolls such an orphan back (asyncio psycopg
+#    has the same hole). As with any cancelled COMMIT, the caller cannot tell whether it
+#    committed: that is inherent, not a bug.
 
 from __future__ import annotations
 
@@ -66,6 +84,7 @@ from psycopg.adapt import AdaptersMap
 from psycopg.conninfo import conninfo_attempts, make_conninfo, timeout_from_conninfo
 from psycopg.copy import AsyncCopy, AsyncWriter
 from psycopg.rows import AsyncRowFactory, Row, TupleRow, tuple_row
+from psycopg.transaction import AsyncTransaction
 from psycopg.waiting import Ready, Wait
 
 if TYPE_CHECKING:
@@ -103,7 +122,10 @@ _WAIT_RW = Wait.RW
 _READY_R = Ready.R
 _READY_W = Ready.W
 
+_IDLE = pq.TransactionStatus.IDLE
 _ACTIVE = pq.TransactionStatus.ACTIVE
+_INTRANS = pq.TransactionStatus.INTRANS
+_INERROR = pq.TransactionStatus.INERROR
 _BAD = pq.ConnStatus.BAD
 _COPY_IN = pq.ExecStatus.COPY_IN
 _COPY_OUT = pq.ExecStatus.COPY_OUT
@@ -136,14 +158,27 @@ def _cleanup_scope() -> trio.CancelScope:
 async def _yield_if_busy() -> None:
     """Let other tasks run if we have not yielded to the scheduler for a while.
 
-    This is also a cancellation point, except in cleanup mode (where it must not raise).
+    Called when a generator has *completed* without blocking, so it must not raise
+    `Cancelled`: psycopg's callers assume a `wait()` that raised did not complete. A pipeline's
+    ``__aenter__`` that raised after entering pipeline mode, for instance, is never exited
+    (the fuzz found exactly that). Cancellation is delivered at the next wait instead.
     """
     global _last_yield
     if time.monotonic() - _last_yield >= _MAX_BUSY_TIME:
-        if _cleanup_mode():
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        else:
-            await trio.lowlevel.checkpoint()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        _last_yield = time.monotonic()
+
+
+async def _checkpoint_mid_command() -> None:
+    """A cancellation point inside a generator that has not blocked (rule 1 applies).
+
+    Writes are polled, not awaited, so without this a long COPY or pipeline that never fills
+    the socket would be impossible to cancel. Also yields to the scheduler when busy.
+    """
+    global _last_yield
+    await trio.lowlevel.checkpoint_if_cancelled()
+    if time.monotonic() - _last_yield >= _MAX_BUSY_TIME:
+        await trio.lowlevel.checkpoint()
         _last_yield = time.monotonic()
 
 
@@ -161,6 +196,18 @@ def _ready_now(fileno: int, s: int) -> int:
             # Let libpq find out what is wrong with the socket.
             ready |= s
     return ready
+
+
+def _drop(gen: PQGen[Any]) -> None:
+    """Close a generator we will not resume, now rather than in the garbage collector.
+
+    psycopg's pipeline ``_exit_gen`` yields in a ``finally``: closed by the collector on a
+    dead connection it would print an "Exception ignored" traceback.
+    """
+    try:
+        gen.close()
+    except Exception as ex:
+        logger.debug("error closing an abandoned generator: %s", ex)
 
 
 def _bare(eg: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -219,7 +266,7 @@ async def _drive(gen: PQGen[RV], s: int, fileno: int, limit: float | None) -> RV
                 # is much cheaper than a scheduler round trip. With a time limit, also poll for
                 # reading so that a limit of 0 polls once, as psycopg's timeout=0 does.
                 if (s & _WAIT_W or limit is not None) and (ready := _ready_now(fileno, s)):
-                    await _yield_if_busy()
+                    await _checkpoint_mid_command()
                     s = gen.send(ready)
                     continue
                 ready = await _wait_fd(fileno, s)
@@ -408,8 +455,7 @@ class TrioConnection(psycopg.AsyncConnection[Row]):
             s = next(gen)
         except StopIteration as ex:
             # Done without waiting (the data was already buffered): the common case for COPY
-            # writes, pipeline queueing and stream rows. Nothing is in flight any more, so
-            # this is a safe place for the busy check's cancellation point.
+            # writes, pipeline queueing and stream rows.
             await _yield_if_busy()
             return cast(RV, ex.value)
 
@@ -430,12 +476,26 @@ class TrioConnection(psycopg.AsyncConnection[Row]):
             raise
 
     async def _cancel_in_flight(self, gen: PQGen[Any], fileno: int) -> None:
-        """Rule 1: cancel the interrupted command on the server and drain it, shielded."""
-        if self.pgconn.status == _BAD or self.pgconn.transaction_status != _ACTIVE:
-            return  # nothing in flight (e.g. waiting for notifications)
+        """Rule 1: cancel the interrupted command on the server and drain it, shielded.
+
+        A generator is drained when a command is running (ACTIVE) and also in pipeline mode,
+        where psycopg's pipeline bookkeeping (queued commands and results, the Sync of
+        ``_exit_gen``) must run to its end or the pipeline can never be exited. Otherwise
+        (waiting for notifications, say) there is nothing in flight and it is dropped.
+        """
+        pgconn = self.pgconn
+        active = pgconn.transaction_status == _ACTIVE
+        if pgconn.status == _BAD or not (active or pgconn.pipeline_status):
+            _drop(gen)
+            return
         with trio.CancelScope(shield=True, deadline=trio.current_time() + CANCEL_TIMEOUT) as scope:
             try:
-                await self._cancel_now(limit=CANCEL_TIMEOUT)
+                if active:
+                    try:
+                        await self._cancel_now(limit=CANCEL_TIMEOUT)
+                    except e.Error as ex:
+                        # Still drain: the command may end by itself within the time left.
+                        logger.warning("query cancellation failed on %s: %s", self, ex)
                 await trio_wait(gen, fileno)
             except trio.Cancelled:
                 raise  # our own deadline: handled below
@@ -445,9 +505,46 @@ class TrioConnection(psycopg.AsyncConnection[Row]):
                 logger.debug("error draining a cancelled command on %s: %s", self, ex)
             except BaseException:  # e.g. KeyboardInterrupt while draining: state unknown
                 self._abandon("interrupted while cancelling a command")
+                _drop(gen)
                 raise
         if scope.cancelled_caught:
             self._abandon(f"query not terminated {CANCEL_TIMEOUT:.0f} s after cancellation")
+            _drop(gen)
+
+    @asynccontextmanager
+    async def transaction(
+        self, savepoint_name: str | None = None, force_rollback: bool = False
+    ) -> AsyncIterator[AsyncTransaction]:
+        """Start a transaction block (see `psycopg.AsyncConnection.transaction`).
+
+        If the block ends with an exception (typically `Cancelled`) and leaves the outermost
+        transaction open, roll it back. That happens when a cancellation lands on the COMMIT
+        itself: rule 1 cancels it on the server, and a COMMIT cancelled before it started
+        committing leaves the session INERROR with no block to end it (asyncio psycopg too).
+        """
+        entered: AsyncTransaction | None = None
+        try:
+            async with super().transaction(savepoint_name, force_rollback) as tx:
+                entered = tx
+                yield tx
+        except BaseException:
+            if entered is not None and entered._outer_transaction:
+                await self._end_orphan_transaction()
+            raise
+
+    async def _end_orphan_transaction(self) -> None:
+        pgconn = self.pgconn
+        if self.closed or self._num_transactions or self._pipeline is not None:
+            return
+        if pgconn.transaction_status not in (_INTRANS, _INERROR):
+            return
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + CANCEL_TIMEOUT):
+            try:
+                await self.rollback()
+            except e.Error as ex:
+                logger.debug("rollback of an interrupted transaction failed on %s: %s", self, ex)
+        if not self.closed and pgconn.transaction_status != _IDLE:
+            self._abandon("could not roll back an interrupted transaction")
 
     async def cancel_safe(self, *, timeout: float = 30.0) -> None:  # noqa: ASYNC109 (psycopg's)
         """Cancel the current operation on the server (libpq >= 17 non-blocking cancel)."""

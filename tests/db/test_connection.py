@@ -173,6 +173,25 @@ async def test_cancelled_transaction_body_rolls_back(conn: Conn) -> None:
     assert await fetch1(conn, "select count(*) from t") == 0
 
 
+async def test_cancel_landing_on_commit(conn: Conn) -> None:
+    # A deferred constraint trigger makes COMMIT itself slow, so the deadline hits it.
+    await conn.execute("create table t (v int)")
+    await conn.execute(
+        "create function slow() returns trigger language plpgsql as"
+        " $$ begin perform pg_sleep(10); return null; end $$"
+    )
+    await conn.execute(
+        "create constraint trigger slow after insert on t deferrable initially deferred"
+        " for each row execute function slow()"
+    )
+    with trio.move_on_after(0.3) as scope:
+        async with conn.transaction():
+            await conn.execute("insert into t values (1)")
+    assert scope.cancelled_caught
+    assert conn.pgconn.transaction_status == IDLE
+    assert await fetch1(conn, "select count(*) from t") == 0
+
+
 # --- cancellation of running queries -------------------------------------------------------
 
 
@@ -223,7 +242,8 @@ async def test_cancelled_stream_leaves_connection_idle(conn: Conn, observer: Con
     assert await fetch1(conn, "select 42") == 42
 
 
-async def test_cancel_before_first_wait_sends_nothing(conn: Conn) -> None:
+async def test_query_in_cancelled_scope_leaves_connection_usable(conn: Conn) -> None:
+    # The query is sent, then cancelled on the server at its first wait.
     with trio.CancelScope() as scope:
         scope.cancel()
         await conn.execute("select pg_sleep(10)")
@@ -283,6 +303,20 @@ async def test_cancelled_copy_in_loads_nothing(conn: Conn) -> None:
                     scope.cancel()
                     await trio.lowlevel.checkpoint()
     assert scope.cancelled_caught
+    assert conn.pgconn.transaction_status == IDLE
+    assert await fetch1(conn, "select count(*) from t") == 0
+
+
+async def test_long_copy_loop_is_cancellable(conn: Conn) -> None:
+    """write_row mostly fills libpq's buffer without waiting: the flushes must be cancel points."""
+    await conn.execute("create table t (a int, b text)")
+    start = trio.current_time()
+    with trio.move_on_after(0.1) as scope:
+        async with conn.cursor().copy("copy t from stdin") as copy:
+            for i in range(10_000_000):
+                await copy.write_row((i, "some text to make the rows a bit wider"))
+    assert scope.cancelled_caught
+    assert trio.current_time() - start < 3.0
     assert conn.pgconn.transaction_status == IDLE
     assert await fetch1(conn, "select count(*) from t") == 0
 
