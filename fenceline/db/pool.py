@@ -203,6 +203,10 @@ class Pool:
         except (psycopg.Error, trio.TooSlowError) as ex:
             await self._discard(conn, f"failed its health check: {ex}")
             return False
+        except BaseException:
+            # Cancelled while probing: close it rather than leak it (it is in no list now).
+            await self._discard(conn, "health check interrupted")
+            raise
         return True
 
     async def _checkin(self, conn: TrioConnection[Any]) -> None:
