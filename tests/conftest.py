@@ -16,6 +16,7 @@ function-scoped only) and use plain sync psycopg for the admin work.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -73,8 +74,10 @@ class _EmbeddedThread:
             with trio.CancelScope() as scope:
                 self._scope = scope
                 async with trio.open_nursery() as nursery:
+                    # fsync off: a throwaway server; durability is not what the tests measure.
                     server = await nursery.start(
-                        embedded.run_embedded, embedded.EmbeddedSettings(data_dir=self.data_dir)
+                        embedded.run_embedded,
+                        embedded.EmbeddedSettings(data_dir=self.data_dir, fsync=False),
                     )
                     self.dsn = server.dsn
                     self._ready.set()
@@ -97,11 +100,11 @@ def server_dsn() -> Iterator[str]:
     base = Path(tempfile.mkdtemp(prefix="fenceline-test-pg-"))
     base.chmod(0o755)  # the embedded server may run as another account when we are root
     server = _EmbeddedThread(base / "data")
-    dsn = server.start()
     try:
-        yield dsn
+        yield server.start()
     finally:
         server.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
