@@ -77,6 +77,13 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def parse_module_name(text: str) -> str:
+    name = text.strip()
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError("must be a dotted Python module name")
+    return name
+
+
 def parse_choice(choices: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
@@ -133,6 +140,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lease", "--lease", "FENCELINE_LEASE", parse_seconds, "30",
             "Worker role: lease length in seconds; a silent worker's jobs are reclaimed "
             "after it."),
+    Setting("handlers", "--handlers", "FENCELINE_HANDLERS", parse_module_name, None,
+            "Worker role: a Python module whose HANDLERS dict (job type -> handler) is run "
+            "besides the built-in noop, sleep, fail, shell and http."),
     Setting("reaper_interval", "--reaper-interval", "FENCELINE_REAPER_INTERVAL", parse_seconds,
             "1", "Scheduler role: seconds between reaper passes (expired leases)."),
     Setting("promoter_interval", "--promoter-interval", "FENCELINE_PROMOTER_INTERVAL",
@@ -162,6 +172,7 @@ class Settings:
     queue: str | None = None
     concurrency: int = 16
     lease: float = 30.0
+    handlers: str | None = None
     reaper_interval: float = 1.0
     promoter_interval: float = 1.0
     breaker_interval: float = 1.0

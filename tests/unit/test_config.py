@@ -79,3 +79,15 @@ def test_every_setting_is_documented_in_the_readme() -> None:
 def test_settings_dataclass_covers_every_setting() -> None:
     fields = set(config.Settings.__dataclass_fields__)
     assert {s.name for s in config.SETTINGS} == fields
+
+
+def test_handlers_module_must_load_and_define_handlers() -> None:
+    from fenceline.worker.service import load_handlers
+
+    assert load_handlers(None) == {}
+    with pytest.raises(ConfigError, match="cannot import"):
+        load_handlers("no_such_module_anywhere")
+    with pytest.raises(ConfigError, match="must define HANDLERS"):
+        load_handlers("json")
+    with pytest.raises(ConfigError, match="dotted Python module name"):
+        config.load("run", parse(["--handlers", "not a module"]), environ={})
