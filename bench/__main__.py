@@ -140,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         dsn=args.dsn,
         smoke=smoke,
         workdir=workdir,
-        quiet_max_s=args.quiet_wait if args.quiet_wait is not None else (0.0 if smoke else 30.0),
+        quiet_max_s=args.quiet_wait if args.quiet_wait is not None else (0.0 if smoke else 15.0),
         rng=random.Random(seed),
         wal_tools=pg.wal_tools(),
     )
+    commit_probe: harness.CommitProbe | None = None
     broken = False
     try:
         machine = harness.machine_info(pg)
-        commit_ms = pg.commit_latency_ms(scratch, 50 if smoke else 200)
+        commit_probe = harness.CommitProbe(pg, scratch)
+        ctx.commit_probe = commit_probe
+        commit_ms = commit_probe.median_ms(50 if smoke else 200)
         for line in header(machine, commit_ms, smoke):
             log(line)
 
@@ -214,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                     "concurrency": workloads.CONCURRENCY,
                     "machine": machine,
                     "commit_roundtrip_ms_at_start": commit_ms,
+                    "commit_roundtrip_ms_note": "median INSERT+COMMIT, harness scratch database",
                     "baseline": baseline,
                     "peers": {
                         name: {
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             failed.update(outcome.failed)
             unavailable.update(outcome.unavailable)
 
-        commit_end = pg.commit_latency_ms(scratch, 50 if smoke else 200)
+        commit_end = commit_probe.median_ms(50 if smoke else 200)
         log(
             f"\nINSERT+COMMIT round trip: {commit_ms} ms at start, {commit_end} ms at end; "
             f"total {time.monotonic() - started:.0f} s"

@@ -147,6 +147,26 @@ class Postgres:
     def database_oid(self, dbname: str) -> int:
         return int(self.scalar("select oid from pg_database where datname = %s", (dbname,)))
 
+    def hold_wal(self) -> str | None:
+        """Keep the WAL from now on until release_wal, so pg_waldump can read a long window.
+
+        A temporary physical replication slot: it belongs to this session, so PostgreSQL drops
+        it by itself if the harness dies. No server setting changes. Other people's writes
+        recycle WAL segments within minutes on this shared server; without the slot the start
+        of a long window would be gone by the time it is read.
+        """
+        name = f"fenceline_bench_{os.getpid()}"
+        try:
+            self.conn.execute("select pg_create_physical_replication_slot(%s, true, true)", (name,))
+        except psycopg.Error:
+            return None
+        return name
+
+    def release_wal(self, slot: str | None) -> None:
+        if slot:
+            with contextlib.suppress(psycopg.Error):
+                self.conn.execute("select pg_drop_replication_slot(%s)", (slot,))
+
     def wal_tools(self) -> tuple[Path, Path] | None:
         """(pg_waldump, pg_wal directory) when the server is local and they can be read."""
         if not self.local:
@@ -161,20 +181,33 @@ class Postgres:
             return waldump, pg_wal
         return None
 
-    def commit_latency_ms(self, scratch_db: str, n: int = 200) -> float:
-        """Median of n round trips of a one-row INSERT + COMMIT (the WAL flush on this disk)."""
-        self.fresh_database(scratch_db)
-        try:
-            with psycopg.connect(url_for(self.dsn, scratch_db), autocommit=True) as conn:
-                conn.execute("create table t (x int)")
-                times = []
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    conn.execute("insert into t values (1)")
-                    times.append((time.perf_counter() - t0) * 1000)
-            return round(statistics.median(times), 3)
-        finally:
-            self.drop_database(scratch_db)
+
+class CommitProbe:
+    """Times one-row INSERT + COMMIT round trips in a scratch database of the harness's own.
+
+    On this machine that is mostly the WAL flush (fdatasync), shared with everyone using the
+    server: the figure that explains absolute throughput, read at start, end and before each
+    run.
+    """
+
+    def __init__(self, pg: Postgres, dbname: str) -> None:
+        self.pg = pg
+        self.dbname = dbname
+        pg.fresh_database(dbname)
+        with psycopg.connect(url_for(pg.dsn, dbname), autocommit=True) as conn:
+            conn.execute("create table t (x int)")
+
+    def median_ms(self, n: int) -> float:
+        with psycopg.connect(url_for(self.pg.dsn, self.dbname), autocommit=True) as conn:
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                conn.execute("insert into t values (1)")
+                times.append((time.perf_counter() - t0) * 1000)
+        return round(statistics.median(times), 3)
+
+    def drop(self) -> None:
+        self.pg.drop_database(self.dbname)
 
 
 def _lsn(value: int) -> str:

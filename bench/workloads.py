@@ -34,6 +34,10 @@ class Context:
     quiet_max_s: float
     rng: random.Random = field(default_factory=random.Random)
     wal_tools: tuple[Path, Path] | None = None
+    commit_probe: harness.CommitProbe | None = None
+
+    def commit_ms(self) -> float | None:
+        return self.commit_probe.median_ms(20) if self.commit_probe else None
 
     def dbname(self, peer: Peer) -> str:
         return f"bench_{peer.name}_{os.getpid()}"
@@ -96,6 +100,23 @@ def worker_window(
     flushed), from a count taken before the worker started, less the probe's own queries.
     """
     ctx.pg.wait_database_idle(db)
+    slot = ctx.pg.hold_wal() if ctx.wal_tools else None
+    try:
+        return _worker_window(ctx, peer, db, url, tag, during, drain_timeout, expected)
+    finally:
+        ctx.pg.release_wal(slot)
+
+
+def _worker_window(
+    ctx: Context,
+    peer: Peer,
+    db: str,
+    url: str,
+    tag: str,
+    during: Callable[[], dict[str, Any]] | None,
+    drain_timeout: float,
+    expected: int | None,
+) -> dict[str, Any]:
     probe = Probe(url, peer.info["remaining_sql"])
     sampler = Sampler(ctx.pg, db, exclude={probe.pid})
     records_path = ctx.workdir / f"{tag}.records.json"
@@ -201,6 +222,7 @@ def burndown_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[
     ctx.pg.analyze_and_checkpoint(db, checkpoint=not ctx.smoke)
     t3 = time.monotonic()
     busy_before = harness.wait_quiet(ctx.quiet_max_s)
+    commit_ms = ctx.commit_ms()
     phases = {
         "setup_s": t1 - t0,
         "enqueue_s": t2 - t1,
@@ -219,6 +241,7 @@ def burndown_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[
         enqueue_jobs_per_s=n / enq["seconds"] if enq["seconds"] else None,
         jobs_per_s=n / out["drain_s"] if out["drained"] else None,
         host_busy_before_cores=busy_before,
+        commit_ms_before=commit_ms,
     )
     ctx.pg.drop_database(db)
     return out
@@ -233,6 +256,7 @@ BURNDOWN_COLUMNS: list[tuple[str, str, int]] = [
     ("wal_bytes_per_job", "WAL B/job", 0),
     ("commits_per_job", "commits/job", 3),
     ("worker_peak_rss_mb", "worker peak RSS MB", 0),
+    ("commit_ms_before", "commit ms", 2),
 ]
 
 
@@ -263,7 +287,8 @@ def burndown_summary(
         f"Burn-down: {p['jobs']:,} no-op jobs bulk-inserted (untimed for jobs/s), one worker "
         f"process, concurrency {CONCURRENCY}; median (min-max) of {p['repeat']} run(s) per peer, "
         "peers interleaved. 'slowest/fastest' = this peer's slowest run / the baseline's "
-        "fastest run. Costs are per job over the drain window.",
+        "fastest run. Costs are per job over the drain window. 'commit ms' = median "
+        "INSERT+COMMIT round trip just before the run (the shared disk's fsync).",
         harness.table(headers, rows, right=set(range(1, len(headers)))),
     ]
 
@@ -276,6 +301,7 @@ def latency_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any], name: str
     db, url = fresh_peer_db(ctx, peer)
     ctx.pg.analyze_and_checkpoint(db, checkpoint=not ctx.smoke)
     busy_before = harness.wait_quiet(ctx.quiet_max_s)
+    commit_ms = ctx.commit_ms()
     tag = f"{name}-{peer.name}-{rep}"
 
     def produce() -> dict[str, Any]:
@@ -305,6 +331,7 @@ def latency_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any], name: str
         seconds=seconds,
         latency_ms=harness.latency_stats(lat),
         host_busy_before_cores=busy_before,
+        commit_ms_before=commit_ms,
     )
     ctx.pg.drop_database(db)
     return out
@@ -336,7 +363,7 @@ def latency_summary(
     ratio_cols = (cols[0], cols[-1])
     base = stats.get(baseline or "", {})
     headers = ["peer", "jobs", "submitted/s"] + [f"{c} ms" for c in (*cols, "max")]
-    headers += [f"{c} x {baseline or '-'}" for c in ratio_cols] + ["runs"]
+    headers += [f"{c} x {baseline or '-'}" for c in ratio_cols] + ["commit ms", "runs"]
     rows = []
     for peer, s in stats.items():
         rs = runs[peer]
@@ -347,6 +374,7 @@ def latency_summary(
                 fmt_spread(spread(r["producer"].get("achieved_rate_per_s") for r in rs), 1),
                 *(fmt_spread(s[c], 1) for c in (*cols, "max")),
                 *(ratio(s[c].get("median"), base.get(c, {}).get("median")) for c in ratio_cols),
+                fmt_spread(spread(r.get("commit_ms_before") for r in rs), 2),
                 str(len(rs)),
             ]
         )
@@ -472,6 +500,8 @@ def describe(run: dict[str, Any]) -> str:
         lat = run["latency_ms"]
         parts.append(f"p50 {lat['p50']:.1f} ms p99 {lat['p99']:.1f} ms")
     parts.append(f"handled {run['handled']}")
+    if run.get("commit_ms_before") is not None:
+        parts.append(f"commit {run['commit_ms_before']:.2f} ms before")
     if run.get("other_load_cores") is not None:
         parts.append(f"other load {run['other_load_cores']:.2f} cores")
     parts.append(f"{run['wall_s']:.1f} s")
