@@ -314,6 +314,40 @@ def eng(engine_dsn: str) -> Iterator[Engine]:
         engine.close()
 
 
+@pytest.fixture(scope="module")
+def module_dsn(request: pytest.FixtureRequest) -> Iterator[str]:
+    """One migrated database shared by a module's tests (for tests that change nothing)."""
+    try:
+        server = request.getfixturevalue("server_dsn")
+        template = request.getfixturevalue("template_db")
+    except pytest.FixtureLookupError:
+        yield from _fallback_dsn(request)
+        return
+    name = f"fl_engine_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server, autocommit=True) as c:
+        c.execute(
+            sql.SQL("create database {} template {}").format(
+                sql.Identifier(name), sql.Identifier(template)
+            )
+        )
+    try:
+        yield make_conninfo(server, dbname=name)
+    finally:
+        with psycopg.connect(server, autocommit=True) as c:
+            c.execute(
+                sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture(scope="module")
+def module_eng(module_dsn: str) -> Iterator[Engine]:
+    engine = Engine(module_dsn)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
 class raises_sqlstate:
     """``with raises_sqlstate('FL001'):`` the block raises a database error with that code."""
 
