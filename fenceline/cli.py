@@ -98,6 +98,26 @@ def _cmd_db_url(settings: config.Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_bench(settings: config.Settings, args: argparse.Namespace) -> int:
+    from fenceline import benchmark
+
+    dsn = settings.database_url or _embedded_dsn(settings)
+    if dsn is None:
+        raise ConfigError("DATABASE_URL is not set and no embedded PostgreSQL is running")
+    for name in ("jobs", "concurrency", "latency_jobs"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.rate > 0:
+        raise ConfigError("--rate must be positive")
+    print(f"fenceline bench: {args.jobs} noop jobs at concurrency {args.concurrency}, then "
+          f"{args.latency_jobs} jobs at {args.rate:g}/s (scratch queue, removed afterwards)")
+    result = trio.run(lambda: benchmark.run_bench(
+        dsn, jobs=args.jobs, concurrency=args.concurrency, latency_jobs=args.latency_jobs,
+        rate=args.rate))
+    benchmark.report(result)
+    return EXIT_OK
+
+
 def _cmd_version(settings: config.Settings, args: argparse.Namespace) -> int:
     print(f"fenceline {__version__}")
     return EXIT_OK
@@ -107,6 +127,7 @@ COMMANDS: dict[str, tuple[Callable[[config.Settings, argparse.Namespace], int], 
     "run": (_cmd_run, "run the services chosen by --roles until SIGTERM"),
     "migrate": (_cmd_migrate, "apply pending database migrations and exit"),
     "db-url": (_cmd_db_url, "print the DSN of the running embedded PostgreSQL"),
+    "bench": (_cmd_bench, "measure burn-down and latency against this database"),
     "version": (_cmd_version, "print the version"),
 }
 
@@ -118,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         config.add_arguments(cmd, name)
+        if name == "bench":
+            cmd.add_argument("--jobs", type=int, default=20_000, help="burn-down jobs")
+            cmd.add_argument("--concurrency", type=int, default=16, help="handler slots")
+            cmd.add_argument("--latency-jobs", type=int, default=200,
+                             help="jobs submitted one at a time for latency")
+            cmd.add_argument("--rate", type=float, default=50.0,
+                             help="latency jobs per second")
     return parser
 
 

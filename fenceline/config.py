@@ -110,7 +110,7 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "--database-url", "DATABASE_URL", parse_database_url, None,
             "PostgreSQL connection string. Unset: start the embedded PostgreSQL.",
-            ("run", "migrate")),
+            ("run", "migrate", "bench")),
     Setting("roles", "--roles", "FENCELINE_ROLES", parse_roles, ",".join(ROLES),
             "Comma-separated services to start: api, scheduler, worker, archiver."),
     Setting("api_addr", "--api-addr", "API_ADDR", str, "127.0.0.1",
@@ -118,13 +118,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("api_port", "--api-port", "API_PORT", parse_port, "3001",
             "Port the HTTP API listens on."),
     Setting("log_level", "--log-level", "LOG_LEVEL", parse_choice(LOG_LEVELS), "info",
-            "debug, info, warning or error.", ("run", "migrate")),
+            "debug, info, warning or error.", ("run", "migrate", "bench")),
     Setting("log_format", "--log-format", "LOG_FORMAT", parse_choice(LOG_FORMATS), "auto",
             "json (one object per line), text, or auto: text on a terminal, json otherwise.",
-            ("run", "migrate")),
+            ("run", "migrate", "bench")),
     Setting("data_dir", "--data-dir", "FENCELINE_DATA_DIR", Path, None,
             "Embedded PostgreSQL data directory (default: per-user data dir; "
-            "/var/lib/fenceline/embedded as root).", ("run", "db-url")),
+            "/var/lib/fenceline/embedded as root).", ("run", "db-url", "migrate", "bench")),
     Setting("embedded_user", "--embedded-user", "FENCELINE_EMBEDDED_USER", str,
             "nobody", "Existing unprivileged account that runs the embedded PostgreSQL "
             "when fenceline runs as root."),
