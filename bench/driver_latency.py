@@ -2,7 +2,7 @@
 
 Variants (letters as in docs/reference feasibility §1.2):
 
-  (a) fenceline.db.TrioConnection under trio (native waits on the libpq socket)
+  (a) fenceline.db.connection.TrioConnection under trio (native waits on the libpq socket)
   (d) psycopg.AsyncConnection under asyncio (the reference psycopg async path)
   (b) sync psycopg.Connection called through trio.to_thread.run_sync
 

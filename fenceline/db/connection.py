@@ -385,8 +385,6 @@ class ConnectionLock:
 class TrioConnection(psycopg.AsyncConnection[Row]):
     """A `psycopg.AsyncConnection` that runs under Trio. See the module comment."""
 
-    __module__ = "fenceline.db"
-
     def __init__(
         self,
         pgconn: PGconn,
@@ -603,7 +601,6 @@ class TrioConnection(psycopg.AsyncConnection[Row]):
 class TrioCursor(psycopg.AsyncCursor[Row]):
     """`psycopg.AsyncCursor` whose `copy()` never leaves the connection inside a COPY."""
 
-    __module__ = "fenceline.db"
     __slots__ = ()
 
     @asynccontextmanager

@@ -161,10 +161,9 @@ class Pool:
             if not acquired:
                 self._timeouts += 1
                 raise PoolTimeout(
-                    f"pool {self.name!r}: no connection available after waiting"
-                    f" {trio.current_time() - started:.2f} s (timeout {limit:g} s);"
-                    f" all {self.max_size} connections of max_size={self.max_size} are"
-                    f" in use, {self._waiting - 1} other task(s) waiting"
+                    f"pool {self.name!r} (max_size={self.max_size}): no connection free after"
+                    f" waiting {trio.current_time() - started:.2f} s; {self._in_use} in use,"
+                    f" {self._waiting - 1} other task(s) waiting"
                 )
         finally:
             self._waiting -= 1

@@ -10,6 +10,7 @@ import contextlib
 from contextlib import aclosing
 from typing import Any
 
+import anyio
 import psycopg
 import pytest
 import trio
@@ -263,6 +264,22 @@ async def test_query_in_except_block_of_cancelled_task_runs(conn: Conn) -> None:
             await conn.execute("insert into log values ('cleanup ran')")
             raise
     assert await fetch1(conn, "select v from log") == "cleanup ran"
+
+
+async def test_anyio_cancel_scope_cancels_query(conn: Conn) -> None:
+    with anyio.move_on_after(0.2) as scope:
+        await conn.execute("select pg_sleep(10)")
+    assert scope.cancelled_caught
+    assert conn.pgconn.transaction_status == IDLE
+    assert await fetch1(conn, "select 42") == 42
+
+
+async def test_server_side_cursor(conn: Conn) -> None:
+    async with conn.transaction(), conn.cursor("big") as cur:
+        await cur.execute("select generate_series(1, 1000)")
+        assert len(await cur.fetchmany(100)) == 100
+        assert len(await cur.fetchall()) == 900
+    assert conn.pgconn.transaction_status == IDLE
 
 
 # --- pipeline, executemany, COPY -----------------------------------------------------------
