@@ -185,9 +185,12 @@ create trigger jobs_birth before insert on fl.jobs
     for each row execute function fl.jobs_birth();
 
 -- The ledger: one row per claim. Closing a row only touches unindexed columns, so with
--- fillfactor 50 it is a HOT update.
+-- fillfactor 50 it is a HOT update. No foreign key to jobs: the claim writes the row in the
+-- statement that updates the job, and an FK check would take a KEY SHARE lock on the job row
+-- just updated (one more WAL record per job); deleting jobs deletes their ledger through the
+-- jobs_deleted trigger below.
 create table fl.attempts (
-    job_id             bigint not null references fl.jobs (id) on delete cascade,
+    job_id             bigint not null,
     fence              bigint not null,
     replay_generation  integer not null,
     attempt            integer not null,       -- jobs.attempts after this claim charged it
@@ -220,20 +223,38 @@ create table fl.attempt_logs (
 );
 
 -- The lease: who holds a running job, until when. Exists exactly while the job is running
--- (same fence). The cap counts these rows per queue; the reaper walks them by expiry.
+-- (same fence). Keyed (queue_id, job_id): a job has one queue, so still at most one lease per
+-- job, and the one index serves every reader: the cap counts a queue's leases, the reaper
+-- reads a queue's leases for expired ones, reports find theirs by (queue, job). expires_at is
+-- in no index, so a heartbeat is a HOT update. No FK to jobs, for the reason given on
+-- fl.attempts; the worker must be registered.
 create table fl.leases (
-    job_id        bigint primary key references fl.jobs (id) on delete cascade,
     queue_id      uuid not null,
+    job_id        bigint not null,
     worker_id     uuid not null references fl.workers (id) on delete restrict,
     fence         bigint not null,
     expires_at    timestamptz not null,
     heartbeat_at  timestamptz not null,
-    progress      jsonb
+    progress      jsonb,
+    primary key (queue_id, job_id)
 ) with (fillfactor = 70);
 
-create index leases_queue_expiry on fl.leases (queue_id, expires_at);
-
 alter table fl.leases set (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 200);
+
+-- Deleting jobs (the archiver, a queue's cascade) takes their ledger and lease with them.
+-- Statement-level, so it costs nothing on the claim and report paths.
+create function fl.jobs_deleted() returns trigger
+language plpgsql as $$
+begin
+    delete from fl.leases l using gone g where l.queue_id = g.queue_id and l.job_id = g.id;
+    delete from fl.attempts a using gone g where a.job_id = g.id;
+    return null;
+end;
+$$;
+
+create trigger jobs_deleted after delete on fl.jobs
+    referencing old table as gone
+    for each statement execute function fl.jobs_deleted();
 
 -- One row per death (per replay generation), with the whole attempt history at that moment.
 -- A job that is replayed and dies again gets a new row (reference W18).

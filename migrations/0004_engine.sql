@@ -703,8 +703,8 @@ begin
                heartbeat_at = v_now,
                progress = coalesce(inp.progress, l.progress)
           from inp join fl.jobs j on j.id = inp.id
-         where l.job_id = inp.id and l.fence = inp.fence and l.worker_id = p_worker
-           and j.fence = inp.fence and j.status = 'running'
+         where l.queue_id = j.queue_id and l.job_id = inp.id and l.fence = inp.fence
+           and l.worker_id = p_worker and j.fence = inp.fence and j.status = 'running'
         returning l.job_id, j.cancel_requested_at is not null as cancel
     )
     select coalesce(array_agg(ext.job_id), '{}'),
@@ -791,7 +791,7 @@ begin
           from done
          where a.job_id = done.id and a.fence = done.fence
     ), ls as (
-        delete from fl.leases l using done where l.job_id = done.id
+        delete from fl.leases l using done where l.queue_id = done.queue_id and l.job_id = done.id
     ), ev as (
         insert into fl.events (project_id, queue_id, topic, payload, created_at)
         select done.project_id, done.queue_id, 'jobs.completed',
@@ -917,7 +917,7 @@ begin
           from upd
          where a.job_id = upd.id and a.fence = upd.old_fence and a.finished_at is null
     ), ls as (
-        delete from fl.leases l using upd where l.job_id = upd.id
+        delete from fl.leases l using upd where l.queue_id = upd.queue_id and l.job_id = upd.id
     ), ev as (
         insert into fl.events (project_id, queue_id, job_id, topic, payload, created_at)
         select upd.project_id, upd.queue_id, upd.id,
@@ -1072,7 +1072,7 @@ begin
         update fl.attempts
            set finished_at = v_now, outcome = 'snoozed'
          where job_id = p_job and fence = p_fence;
-        delete from fl.leases where job_id = p_job;
+        delete from fl.leases where queue_id = r.queue_id and job_id = p_job;
         insert into fl.dead_letters (job_id, replay_generation, project_id, queue_id, reason,
                                      attempt_history, dead_at)
         select p_job, r.replay_generation, r.project_id, r.queue_id, 'snoozes_exhausted',
@@ -1101,7 +1101,7 @@ begin
     update fl.attempts
        set finished_at = v_now, outcome = 'snoozed'
      where job_id = p_job and fence = p_fence;
-    delete from fl.leases where job_id = p_job;
+    delete from fl.leases where queue_id = r.queue_id and job_id = p_job;
     perform fl._breaker_free_probe(array[p_job], array[p_fence]);
     insert into fl.events (project_id, queue_id, job_id, topic, payload, created_at)
     values (r.project_id, r.queue_id, p_job, 'job.snoozed',
@@ -1167,7 +1167,7 @@ begin
           from rel
          where a.job_id = rel.id and a.fence = rel.old_fence
     ), ls as (
-        delete from fl.leases l using rel where l.job_id = rel.id
+        delete from fl.leases l using rel where l.queue_id = rel.queue_id and l.job_id = rel.id
     ), ev as (
         insert into fl.events (project_id, queue_id, topic, payload, created_at)
         select rel.project_id, rel.queue_id, 'jobs.released',
@@ -1419,7 +1419,7 @@ $$;
 -- ---------------------------------------------------------------------------------------
 
 -- The reaper (reference W1 fixed). Set-based and race-free:
---   1. read up to p_limit expired leases, oldest first (per queue on leases_queue_expiry);
+--   1. read up to p_limit expired leases, oldest first (per queue, on the leases key);
 --   2. lock the jobs that are still running at the fence the lease carries, SKIP LOCKED (a
 --      job being reported or claimed right now is not the reaper's to judge);
 --   3. delete those leases re-checking expires_at < now on the row itself: a lease extended
@@ -1435,8 +1435,10 @@ language plpgsql as $$
 #variable_conflict use_column
 declare
     v_now timestamptz := fl.now();
+    v_cqueues uuid[];
     v_cids bigint[];
     v_cfences bigint[];
+    v_queues uuid[];
     v_ids bigint[];
     v_fences bigint[];
     v_kinds text[];
@@ -1451,11 +1453,12 @@ begin
         return;
     end if;
 
-    select array_agg(c.job_id), array_agg(c.fence) into v_cids, v_cfences
-      from (select l.job_id, l.fence
+    select array_agg(c.queue_id), array_agg(c.job_id), array_agg(c.fence)
+      into v_cqueues, v_cids, v_cfences
+      from (select l.queue_id, l.job_id, l.fence
               from fl.queues q
              cross join lateral (
-                   select l.job_id, l.fence, l.expires_at from fl.leases l
+                   select l.queue_id, l.job_id, l.fence, l.expires_at from fl.leases l
                     where l.queue_id = q.id and l.expires_at < v_now
                     order by l.expires_at
                     limit p_limit) l
@@ -1465,9 +1468,9 @@ begin
         return;
     end if;
 
-    select array_agg(x.id), array_agg(x.fence), array_agg(x.kind)
-      into v_ids, v_fences, v_kinds
-      from (select j.id, j.fence,
+    select array_agg(x.queue_id), array_agg(x.id), array_agg(x.fence), array_agg(x.kind)
+      into v_queues, v_ids, v_fences, v_kinds
+      from (select j.queue_id, j.id, j.fence,
                    case when j.deadline_at <= v_now then 'timeout' else 'lost' end as kind
               from fl.jobs j join unnest(v_cids, v_cfences) as c(id, fence) on c.id = j.id
              where j.fence = c.fence and j.status = 'running'
@@ -1477,8 +1480,9 @@ begin
     if v_ids is not null then
         with gone as (
             delete from fl.leases l
-             using unnest(v_ids, v_fences, v_kinds) as k(id, fence, kind)
-             where l.job_id = k.id and l.fence = k.fence and l.expires_at < v_now
+             using unnest(v_queues, v_ids, v_fences, v_kinds) as k(queue_id, id, fence, kind)
+             where l.queue_id = k.queue_id and l.job_id = k.id and l.fence = k.fence
+               and l.expires_at < v_now
             returning l.job_id, l.fence, k.kind
         )
         select array_agg(gone.job_id), array_agg(gone.fence), array_agg(gone.kind)
@@ -1498,8 +1502,9 @@ begin
     return query
     with orphan as (
         delete from fl.leases l
-         using unnest(v_cids, v_cfences) as c(id, fence)
-         where l.job_id = c.id and l.fence = c.fence and l.expires_at < v_now
+         using unnest(v_cqueues, v_cids, v_cfences) as c(queue_id, id, fence)
+         where l.queue_id = c.queue_id and l.job_id = c.id and l.fence = c.fence
+           and l.expires_at < v_now
            and not exists (select 1 from fl.jobs j
                             where j.id = l.job_id and j.fence = l.fence and j.status = 'running')
         returning l.job_id, l.fence
@@ -1564,13 +1569,13 @@ begin
     end if;
     with orphan as (
         delete from fl.leases l
-         where l.job_id = any(array(
-                   select l2.job_id from fl.leases l2
+         where (l.queue_id, l.job_id) in (
+                   select l2.queue_id, l2.job_id from fl.leases l2
                     where not exists (select 1 from fl.jobs j
                                        where j.id = l2.job_id and j.fence = l2.fence
                                          and j.status = 'running')
                     limit p_limit
-                      for update skip locked))
+                      for update skip locked)
            and not exists (select 1 from fl.jobs j
                             where j.id = l.job_id and j.fence = l.fence and j.status = 'running')
         returning l.job_id, l.fence
