@@ -97,7 +97,7 @@ create table fl.queues (
     unique (project_id, name),
     unique (project_id, id),   -- target of the composite FK from jobs
     foreign key (project_id, retry_policy_id)
-        references fl.retry_policies (project_id, id) on delete restrict,
+        references fl.retry_policies (project_id, id) deferrable initially deferred,
     -- W17 of the reference: a rate without a bucket of at least one token admits nothing, ever.
     constraint queues_rate_limit check (
         (rl_rate is null and rl_burst is null)
@@ -108,6 +108,10 @@ create table fl.queues (
         and breaker_window_ms > 0 and breaker_cooldown_ms > 0)
 );
 
+-- A policy in use cannot be deleted on its own, but deleting its project (which cascades to
+-- the policy, the queues and their jobs in an order of PostgreSQL's choosing) must work: the
+-- policy FKs of queues and jobs are checked at commit, when the whole cascade is done
+-- (reference W5: project deletion failed once work had run).
 create index queues_policy on fl.queues (retry_policy_id);
 
 -- Runtime state of a queue, one row per queue, written by the claim gate and the reports.

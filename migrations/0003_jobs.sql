@@ -73,7 +73,7 @@ create table fl.jobs (
     pending_deps          integer not null default 0,
     foreign key (project_id, queue_id) references fl.queues (project_id, id) on delete cascade,
     foreign key (project_id, retry_policy_id)
-        references fl.retry_policies (project_id, id) on delete restrict,
+        references fl.retry_policies (project_id, id) deferrable initially deferred,
     constraint jobs_type_sane check (length(type) between 1 and 200),
     constraint jobs_payload_size check (pg_column_size(payload) <= 262144),
     constraint jobs_timeout_positive check (timeout_ms > 0),
@@ -231,7 +231,7 @@ create table fl.attempt_logs (
 create table fl.leases (
     queue_id      uuid not null,
     job_id        bigint not null,
-    worker_id     uuid not null references fl.workers (id) on delete restrict,
+    worker_id     uuid not null references fl.workers (id),
     fence         bigint not null,
     expires_at    timestamptz not null,
     heartbeat_at  timestamptz not null,

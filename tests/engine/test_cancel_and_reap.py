@@ -7,7 +7,7 @@ import threading
 
 import psycopg
 
-from .conftest import Engine
+from .conftest import Engine, raises_sqlstate
 
 
 def test_cancel_of_a_waiting_job_is_immediate(eng: Engine) -> None:
@@ -172,3 +172,44 @@ def test_many_reapers_and_heartbeats_never_reap_a_live_lease(eng: Engine) -> Non
     statuses = {r["id"]: r["status"] for r in eng.rows("select id, status from fl.jobs")}
     assert all(statuses[j] == "running" for j in kept)
     assert all(statuses[j] == "retry_wait" for j in held if j not in kept)
+
+
+def test_deleting_an_organization_after_work_ran_removes_everything(eng: Engine) -> None:
+    """Reference W5: project deletion failed once executions existed."""
+    q = eng.make_queue(policy={"max_attempts": 1})
+    w = eng.worker(q)
+    done, dead, running = eng.submit(q), eng.submit(q), eng.submit(q)
+    f = eng.claim_one(q, w)["fence"]
+    eng.complete(w, [(done, f)])
+    f = eng.claim_one(q, w)["fence"]
+    eng.fail(w, dead, f, "permanent")
+    eng.claim_one(q, w)
+    eng.conn.execute(
+        "select fl.append_logs(%s, %s, 1, array['info'], array['hello'])", (w, running)
+    )
+    org = eng.val(
+        "select p.org_id from fl.queues q join fl.projects p on p.id = q.project_id"
+        " where q.id = %s",
+        (q,),
+    )
+    eng.conn.execute("delete from fl.organizations where id = %s", (org,))
+    for table in (
+        "jobs",
+        "attempts",
+        "attempt_logs",
+        "leases",
+        "dead_letters",
+        "queues",
+        "queue_state",
+        "retry_policies",
+        "worker_queues",
+    ):
+        assert eng.val(f"select count(*) from fl.{table}") == 0, table
+    # A policy still in use cannot be deleted on its own.
+    q2 = eng.make_queue()
+    with raises_sqlstate("23503"):
+        eng.conn.execute(
+            "delete from fl.retry_policies where id = (select retry_policy_id from fl.queues"
+            " where id = %s)",
+            (q2,),
+        )
