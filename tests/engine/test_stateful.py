@@ -295,6 +295,7 @@ def test_engine_state_machine(module_eng: Engine) -> None:
         ),
     )
     print(dict(sorted(SEEN.items())))
-    # The run did exercise the paths the invariants are about.
-    assert SEEN["claim ok"] and SEEN["outcome fenced"] and SEEN["outcome ok"]
+    # The run did exercise the paths the invariants are about (stale writes usually number
+    # in the dozens, but a run can miss them; tests/engine/test_fencing.py covers each one).
+    assert SEEN["claim ok"] and SEEN["outcome ok"]
     assert SEEN["reaped retry"] + SEEN["reaped exhausted"] + SEEN["reaped cancelled"]
