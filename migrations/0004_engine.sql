@@ -126,12 +126,13 @@ $$;
 
 -- A probe that stopped without a verdict (snoozed, released, cancelled): free the slot so the
 -- next claim can send another probe (reference W2: the probe budget was never given back).
-create function fl._breaker_free_probe(p_ids bigint[], p_fences bigint[]) returns void
+create function fl._breaker_free_probe(p_queues uuid[], p_ids bigint[], p_fences bigint[])
+returns void
 language sql as $$
     update fl.queue_state s
        set probe_job_id = null, probe_fence = null
-      from unnest(p_ids, p_fences) as i(id, fence)
-     where s.probe_job_id = i.id and s.probe_fence = i.fence
+      from unnest(p_queues, p_ids, p_fences) as i(queue_id, id, fence)
+     where s.queue_id = i.queue_id and s.probe_job_id = i.id and s.probe_fence = i.fence
 $$;
 
 -- Successes: a successful probe closes the breaker; while a failure window is open,
@@ -151,8 +152,9 @@ begin
         update fl.queue_state s
            set breaker_state = 'closed', breaker_changed_at = p_now, probe_job_id = null,
                probe_fence = null, win_started_at = null, win_failures = 0, win_successes = 0
-          from unnest(p_ids, p_fences) as i(id, fence)
-         where s.breaker_state = 'half_open' and s.probe_job_id = i.id and s.probe_fence = i.fence
+          from unnest(p_queues, p_ids, p_fences) as i(queue_id, id, fence)
+         where s.queue_id = i.queue_id and s.breaker_state = 'half_open'
+           and s.probe_job_id = i.id and s.probe_fence = i.fence
         returning s.queue_id
     loop
         insert into fl.events (project_id, queue_id, topic, payload)
@@ -464,7 +466,8 @@ begin
         perform fl._bad_input('FL005', 'types must be NULL (any) or a non-empty list without nulls');
     end if;
 
-    select qq.project_id, qq.paused, qq.max_concurrency, qq.rl_rate, qq.rl_burst
+    select qq.project_id, qq.paused, qq.max_concurrency, qq.rl_rate, qq.rl_burst,
+           qq.breaker_enabled
       into q from fl.queues qq where qq.id = p_queue;
     if not found then
         perform fl._bad_input('FL001', format('queue %s does not exist', coalesce(p_queue::text, 'null')));
@@ -486,14 +489,16 @@ begin
         return;
     end if;
 
-    select st.breaker_state, st.breaker_open_until, st.probe_job_id, st.rl_tokens, st.rl_refilled_at
+    select case when q.breaker_enabled then st.breaker_state else 'closed' end as breaker_state,
+           st.breaker_open_until, st.probe_job_id, st.rl_tokens, st.rl_refilled_at
       into s from fl.queue_state st where st.queue_id = p_queue;
 
     if q.max_concurrency is not null or q.rl_rate is not null or s.breaker_state <> 'closed' then
         -- Serialise the gate of this queue until commit. The count below runs in a later
         -- statement, so its snapshot includes every claim committed before we got the lock.
         perform pg_advisory_xact_lock(26221, hashtext(p_queue::text));
-        select st.breaker_state, st.breaker_open_until, st.probe_job_id, st.rl_tokens,
+        select case when q.breaker_enabled then st.breaker_state else 'closed' end as breaker_state,
+               st.breaker_open_until, st.probe_job_id, st.rl_tokens,
                st.rl_refilled_at
           into s from fl.queue_state st where st.queue_id = p_queue;
 
@@ -712,7 +717,10 @@ begin
       into v_ext, v_cancel
       from ext;
 
-    return query select c, null::bigint, 'cancel_requested'::text from unnest(v_cancel) c;
+    return query
+    select i.id, i.fence, 'cancel_requested'::text
+      from unnest(p_ids, p_fences) as i(id, fence)
+     where i.id = any(v_cancel);
 
     if cardinality(v_ext) = n then
         return;
@@ -963,6 +971,7 @@ begin
         array(select f from unnest(v_old_fences, v_statuses) as x(f, st) where st <> 'cancelled'),
         p_now);
     perform fl._breaker_free_probe(
+        array(select q from unnest(v_queues, v_statuses) as x(q, st) where st = 'cancelled'),
         array(select id from unnest(v_ids, v_statuses) as x(id, st) where st = 'cancelled'),
         array(select f from unnest(v_old_fences, v_statuses) as x(f, st) where st = 'cancelled'));
     perform fl._notify_queues(v_queues);
@@ -1084,7 +1093,7 @@ begin
                             'error_message', a.error_message) order by a.fence), '[]')
                   from fl.attempts a where a.job_id = p_job),
                v_now;
-        perform fl._breaker_free_probe(array[p_job], array[p_fence]);
+        perform fl._breaker_free_probe(array[r.queue_id], array[p_job], array[p_fence]);
         insert into fl.events (project_id, queue_id, job_id, topic, payload, created_at)
         values (r.project_id, r.queue_id, p_job, 'job.dead_lettered',
                 jsonb_build_object('reason', 'snoozes_exhausted', 'fence', p_fence), v_now);
@@ -1102,7 +1111,7 @@ begin
        set finished_at = v_now, outcome = 'snoozed'
      where job_id = p_job and fence = p_fence;
     delete from fl.leases where queue_id = r.queue_id and job_id = p_job;
-    perform fl._breaker_free_probe(array[p_job], array[p_fence]);
+    perform fl._breaker_free_probe(array[r.queue_id], array[p_job], array[p_fence]);
     insert into fl.events (project_id, queue_id, job_id, topic, payload, created_at)
     values (r.project_id, r.queue_id, p_job, 'job.snoozed',
             jsonb_build_object('run_at', v_run_at, 'fence', p_fence + 1), v_now);
@@ -1183,7 +1192,7 @@ begin
       from rel;
 
     if v_ids is not null then
-        perform fl._breaker_free_probe(v_ids, v_fences);
+        perform fl._breaker_free_probe(v_queues, v_ids, v_fences);
         perform fl._notify_queues(v_queues);
     end if;
 

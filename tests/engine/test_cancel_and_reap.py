@@ -37,7 +37,9 @@ def test_cancel_of_a_running_job_holds_its_slot_until_the_worker_stops(eng: Engi
     assert eng.job(job)["status"] == "running"
     assert [r["outcome"] for r in eng.claim_rows(q, w)] == ["cap_full"]
     # The heartbeat says so too, and keeps the lease.
-    assert [r["outcome"] for r in eng.extend(w, [(job, f)])] == ["cancel_requested"]
+    assert [(r["job_id"], r["fence"], r["outcome"]) for r in eng.extend(w, [(job, f)])] == [
+        (job, f, "cancel_requested")
+    ]
     # The worker stops the handler and reports; the report ends the job as cancelled.
     assert eng.release(w, [(job, f)]) == ["cancelled"]
     row = eng.job(job)

@@ -276,3 +276,15 @@ def test_after_closing_old_failures_do_not_reopen_the_breaker(eng: Engine) -> No
     assert _state(eng, q) == "closed"
     assert eng.val("select fl.breaker_sweep()") == 0
     assert _state(eng, q) == "closed"
+
+
+def test_switching_the_breaker_off_lets_claims_through_at_once(eng: Engine) -> None:
+    q, w = _breaker_queue(eng)
+    for _ in range(4):
+        _run(eng, q, w, ok=False)
+    eng.submit(q)
+    assert eng.claim_rows(q, w)[0]["outcome"] == "breaker_open"
+    eng.conn.execute("update fl.queues set breaker_enabled = false where id = %s", (q,))
+    assert len(eng.claim(q, w)) == 1
+    assert eng.val("select fl.breaker_sweep()") == 1
+    assert _state(eng, q) == "closed"
