@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import json
 import statistics
 import uuid
 from collections import Counter
@@ -28,6 +30,15 @@ class FaultFinding:
     event: FaultEvent
     bit: int  # how many jobs / writes / connections the fault really hit
     summary: str
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A job taken from a killed or stopped worker."""
+
+    kind: str  # sigkill | sigstop
+    reaped_s: float  # fault -> the reaper ended the attempt (the job is back in the queue)
+    rerun_s: float  # fault -> its next attempt started (retry backoff and queueing included)
 
 
 @dataclass
@@ -55,12 +66,16 @@ class Findings:
     effect_at_two_fences: int  # jobs whose work committed at 2+ fences of one generation
     violations: dict[str, int]  # fl.fence_violations by attempted write
     in_flight: InFlight
-    recoveries: list[tuple[str, float]]  # (fault kind, kill-to-running-again seconds)
+    recoveries: list[Recovery]
     not_rerun: int  # affected jobs that never ran again (dead-lettered by their ceilings)
     faults: list[FaultFinding]
     stop_codes: list[tuple[str, int | None]]
+    unexpected_exits: list[str]  # processes that ended without a signal from us
     crashes: dict[str, int]  # "service crashed" log lines, by role
+    max_restart_delay: float  # the longest backoff a crashed service waited before restarting
     breaker_opened: int
+    reaped_unstarted: int  # attempts reaped whose handler never started (claimed, then lost)
+    own_write_refused: int  # a report retried after its first try had committed
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -97,9 +112,19 @@ async def collect(db: Db, queue: uuid.UUID, cap: int, stats: LoadStats, in_fligh
     present = {int(i) for (i,) in await q("select id from fl.jobs")}
     recoveries, not_rerun, faults = await _faults(db, events)
     crashes: Counter[str] = Counter()
-    for proc, _ in fleet.retired:
+    max_delay = 0.0
+    unexpected: list[str] = []
+    for proc, code in fleet.retired:
         text = proc.log_path.read_text(errors="replace") if proc.log_path.exists() else ""
-        crashes[proc.role] += text.count("service crashed")
+        if not proc.signals:
+            last = text.strip().splitlines()[-1:] or ["(no log)"]
+            unexpected.append(f"{proc.role} {proc.slot} pid {proc.pid} exit {code}: "
+                              f"{last[0][:300]}")
+        for line in text.splitlines():
+            if "service crashed" in line:
+                crashes[proc.role] += 1
+                with contextlib.suppress(ValueError, TypeError):
+                    max_delay = max(max_delay, float(json.loads(line).get("restart_in_s", 0)))
     return Findings(
         cap=cap,
         acknowledged=len(stats.acknowledged),
@@ -157,7 +182,16 @@ async def collect(db: Db, queue: uuid.UUID, cap: int, stats: LoadStats, in_fligh
         not_rerun=not_rerun,
         faults=faults,
         stop_codes=stop_codes,
+        unexpected_exits=unexpected,
         crashes=dict(crashes),
+        max_restart_delay=max_delay,
+        reaped_unstarted=await one(
+            "select count(*) from fl.attempts a where a.error_class = 'lease_expired'"
+            " and not exists (select 1 from chaos.runs r"
+            "                  where r.job_id = a.job_id and r.fence = a.fence)"),
+        own_write_refused=await one(
+            "select count(*) from fl.fence_violations where held_fence = actual_fence"
+            " and actual_status <> 'running' and attempted in ('complete', 'fail')"),
         breaker_opened=await one(
             "select count(*) from fl.events where topic = 'queue.breaker_opened'"
             " and queue_id = %s", (queue,)),
@@ -165,9 +199,13 @@ async def collect(db: Db, queue: uuid.UUID, cap: int, stats: LoadStats, in_fligh
 
 
 async def _faults(db: Db, events: list[FaultEvent]
-                  ) -> tuple[list[tuple[str, float]], int, list[FaultFinding]]:
+                  ) -> tuple[list[Recovery], int, list[FaultFinding]]:
     q = db.retry
-    recoveries: list[tuple[str, float]] = []
+
+    async def one(query: str, params: Any = None) -> int:
+        return int((await q(query, params))[0][0] or 0)
+
+    recoveries: list[Recovery] = []
     not_rerun = 0
     found: list[FaultFinding] = []
     for e in events:
@@ -175,28 +213,49 @@ async def _faults(db: Db, events: list[FaultEvent]
             # The attempts the reaper took from the victim after the fault (and, for a stop,
             # before SIGCONT), and when each job's next attempt started.
             rows = await q(
-                "select (select min(b.started_at) from fl.attempts b"
-                "         where b.job_id = a.job_id and b.fence > a.fence)"
+                "select a.finished_at, (select min(b.started_at) from fl.attempts b"
+                "                        where b.job_id = a.job_id and b.fence > a.fence)"
                 "  from fl.attempts a where a.worker_id = %s and a.error_class = 'lease_expired'"
                 "   and a.finished_at >= %s and (%s::timestamptz is null or a.finished_at <= %s)",
                 (e.worker_id, _at(e.at), _at(e.until), _at(e.until)))
-            for (next_start,) in rows:
+            for reaped_at, next_start in rows:
                 if next_start is None:
                     not_rerun += 1
                 else:
-                    recoveries.append((e.kind, next_start.timestamp() - e.at))
-            summary = f"pid {e.pid}: held {e.detail.get('held', 0)}, reaped {len(rows)}"
+                    recoveries.append(Recovery(e.kind, reaped_at.timestamp() - e.at,
+                                               next_start.timestamp() - e.at))
+            worst = max((r.rerun_s for r in recoveries[-len(rows):]), default=None)
+            if rows and worst is not None:
+                e.detail["worst_rerun_s"] = round(worst, 1)
+            summary = (f"pid {e.pid}: held {e.detail.get('held', 0)}, reaped {len(rows)}, "
+                       f"slowest ran again after {e.detail.get('worst_rerun_s', '-')} s")
             bit = len(rows)
             if e.kind == "sigstop":
-                refused = int((await q(
-                    "select count(*) from fl.fence_violations where worker_id = %s"
-                    " and noticed_at >= %s", (e.worker_id, _at(e.until))))[0][0])
-                rejected = int((await q(
-                    "select count(*) from chaos.effects where pid = %s and not accepted"
-                    " and at >= %s", (e.pid, _at(e.until))))[0][0])
-                e.detail.update(refused_after_cont=refused, effects_rejected=rejected)
+                # The writes the victim made, after SIGCONT, for the jobs it held when stopped.
+                kept = e.detail.get("not_reaped", [])
+                taken = [p for p in e.detail["pairs"] if p not in kept]
+                ids, fences = [j for j, _ in taken], [f for _, f in taken]
+                refused = await one(
+                    "select count(*) from fl.fence_violations v join unnest(%s::bigint[],"
+                    " %s::bigint[]) as h(id, fence) on v.job_id = h.id and v.held_fence = h.fence"
+                    " where v.worker_id = %s and v.noticed_at >= %s",
+                    (ids, fences, e.worker_id, _at(e.until)))
+                rejected = await one(
+                    "select count(*) from chaos.effects x join unnest(%s::bigint[],"
+                    " %s::bigint[]) as h(id, fence) on x.job_id = h.id and x.fence = h.fence"
+                    " where not x.accepted and x.at >= %s", (ids, fences, _at(e.until)))
+                accepted = await one(
+                    "select count(*) from chaos.effects x join unnest(%s::bigint[],"
+                    " %s::bigint[]) as h(id, fence) on x.job_id = h.id and x.fence = h.fence"
+                    " where x.accepted and x.at >= %s", (ids, fences, _at(e.until)))
+                e.detail.update(refused_after_cont=refused, effects_rejected=rejected,
+                                effects_accepted_after=accepted)
                 summary += (f", stopped {e.detail.get('stopped_s')} s; after SIGCONT "
-                            f"{refused} writes refused, {rejected} side effects rejected")
+                            f"{refused} writes refused, {rejected} side effects rejected, "
+                            f"{accepted} accepted")
+                if e.detail.get("not_reaped"):
+                    summary += (f"; NOT REAPED {e.detail['not_reaped']} while open: "
+                                f"{e.detail['open_transactions']}")
             found.append(FaultFinding(e, bit, summary))
         elif e.kind == "expire_leases":
             leases = e.detail["leases"]
@@ -241,7 +300,8 @@ def evaluate(f: Findings, config: ChaosConfig) -> list[Check]:
     terms = [x.event for x in f.faults if x.event.kind == "sigterm"]
     bad_terms = [e.pid for e in terms
                  if e.detail.get("exit_code") != 0 or e.detail.get("reaped_after")]
-    rec = [s for _, s in f.recoveries]
+    reaped = [r.reaped_s for r in f.recoveries]
+    rerun = [r.rerun_s for r in f.recoveries]
     bad_stops = [code for _, code in f.stop_codes if code != 0]
     return [
         Check("every fault kind injected", not missing_kinds,
@@ -270,22 +330,31 @@ def evaluate(f: Findings, config: ChaosConfig) -> list[Check]:
         Check("fenced writes observed", f.fenced_writes > 0,
               f"{f.fenced_writes} engine writes refused"),
         Check("a stopped worker is fenced after SIGCONT",
-              bool(stops) and all(e.detail["refused_after_cont"] > 0 for e in stops),
-              "; ".join(f"pid {e.pid}: {e.detail['refused_after_cont']} refused" for e in stops)
+              bool(stops) and all(e.detail["refused_after_cont"] > 0
+                                  and e.detail["effects_accepted_after"] == 0 for e in stops),
+              "; ".join(f"pid {e.pid}: {e.detail['refused_after_cont']} writes refused, "
+                        f"{e.detail['effects_accepted_after']} side effects accepted"
+                        for e in stops)
               or "no SIGSTOP hit a worker holding jobs"),
         Check("in-flight within the cap",
               f.in_flight.samples > 0 and not f.in_flight.over_cap,
               f"max {max(f.in_flight.max_leases, f.in_flight.max_running)} of {f.cap} over "
               f"{f.in_flight.samples} samples; over: {f.in_flight.over_cap[:5]}"),
         Check("cron fired once per tick", None, "cron: not yet built (assertion skipped)"),
-        Check("killed workers' jobs ran again in time",
-              bool(rec) and max(rec) <= config.recovery_bound,
-              f"max {max(rec):.1f} s, bound {config.recovery_bound:.1f} s" if rec
+        Check("killed workers' jobs back in the queue within lease + reaper interval",
+              bool(reaped) and max(reaped) <= config.reap_bound,
+              f"max {max(reaped):.1f} s, bound {config.reap_bound:.1f} s" if reaped
+              else "no job was taken from a killed or stopped worker"),
+        Check("and running again",
+              bool(rerun) and max(rerun) <= config.rerun_bound and f.not_rerun == 0,
+              f"max {max(rerun):.1f} s, bound {config.rerun_bound:.1f} s; "
+              f"{f.not_rerun} never ran again" if rerun
               else "no job was taken from a killed or stopped worker"),
         Check("SIGTERM drains cleanly", bool(terms) and not bad_terms,
               f"bad drains: pids {bad_terms}" if bad_terms else f"{len(terms)} drains"),
-        Check("every process stopped cleanly", not bad_stops,
-              f"exit codes {bad_stops}" if bad_stops else f"{len(f.stop_codes)} exited 0"),
+        Check("every process stopped cleanly", not bad_stops and not f.unexpected_exits,
+              f"exit codes {bad_stops}; ended on their own: {f.unexpected_exits}"
+              if bad_stops or f.unexpected_exits else f"{len(f.stop_codes)} exited 0"),
     ]
 
 

@@ -118,6 +118,10 @@ class Proc:
             return await self.process.wait()
         return None
 
+    def ready(self) -> bool:
+        """Whether the process has logged that it is ready (its signal handlers are set)."""
+        return '"msg": "ready"' in self.log_path.read_text(errors="replace")
+
     async def kill_and_reap(self) -> int:
         if self.alive:
             if self.stopped:
@@ -188,8 +192,17 @@ class Fleet:
         return [*self.workers.values(), *self.schedulers.values()]
 
     async def stop_all(self, timeout: float) -> list[tuple[Proc, int | None]]:  # noqa: ASYNC109
-        """SIGTERM everything (SIGCONT first where stopped); wait; kill what is left."""
-        procs = self.all()
+        """SIGTERM everything still running (SIGCONT first where stopped); wait; kill what is
+        left. Returns the exit codes of the processes that were running.
+
+        A process still starting up is given time to get ready first: before Trio installs
+        its handler, SIGTERM would simply kill it."""
+        procs = [p for p in self.all() if p.alive]
+        with trio.move_on_after(timeout):
+            while True:
+                if all(p.ready() or not p.alive for p in procs):
+                    break
+                await trio.sleep(0.1)
         for p in procs:
             if p.stopped:
                 p.send(signal.SIGCONT)
@@ -199,6 +212,7 @@ class Fleet:
         for p in procs:
             code = await p.wait(max(0.0, deadline - trio.current_time()))
             codes.append((p, code))
+        for p in self.all():
             self.retired.append((p, await p.kill_and_reap()))
         self.workers.clear()
         self.schedulers.clear()

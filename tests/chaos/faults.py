@@ -84,11 +84,13 @@ async def _pick_worker(rig: Rig, *, want_sleeping: bool = False) -> tuple[Proc, 
         if candidates:
             chosen = rig.rng.choice(sorted(candidates, key=lambda p: p.slot))
             return chosen, holdings[chosen.pid][0]
-        if trio.current_time() > deadline:
-            live = sorted((p for p in rig.fleet.workers.values() if p.alive and not p.stopped),
-                          key=lambda p: p.slot)
+        live = sorted((p for p in rig.fleet.workers.values()
+                       if p.alive and not p.stopped and p.ready()), key=lambda p: p.slot)
+        if trio.current_time() > deadline and live:
             chosen = rig.rng.choice(live)
             return chosen, holdings.get(chosen.pid, (None, 0, 0))[0]
+        if trio.current_time() > deadline + 30:
+            raise RuntimeError("no live worker to inject a fault into")
         await trio.sleep(0.1)
 
 
@@ -113,24 +115,35 @@ async def sigstop(rig: Rig) -> FaultEvent:
     victim, worker_id = await _pick_worker(rig, want_sleeping=True)
     held = await _held_by(rig, worker_id)
     event = FaultEvent("sigstop", time.time(), pid=victim.pid, worker_id=worker_id,
-                       detail={"held": len(held)})
+                       detail={"held": len(held), "pairs": held})
     victim.send(signal.SIGSTOP)
     began = trio.current_time()
     # Past its lease, and until the reaper has taken every job it held (bounded).
     await trio.sleep(rig.lease)
     deadline = began + rig.lease + rig.reaper_interval + 20
-    while held and trio.current_time() < deadline:
-        left = await rig.db.retry(
-            "select count(*) from fl.leases l join unnest(%s::bigint[], %s::bigint[])"
-            " as h(id, fence) on l.job_id = h.id and l.fence = h.fence",
-            ([h[0] for h in held], [h[1] for h in held]))
-        if left[0][0] == 0:
-            break
-        await trio.sleep(0.1)
+    left: list[tuple[int, int]] = held
+    while left and trio.current_time() < deadline:
+        left = await _still_leased(rig, left)
+        if left:
+            await trio.sleep(0.1)
+    if left:
+        # Not reaped in time: say what held it (a transaction of the stopped process?).
+        event.detail["not_reaped"] = left
+        event.detail["open_transactions"] = [tuple(r) for r in await rig.db.retry(
+            "select application_name, state, left(query, 80) from pg_stat_activity"
+            " where datname = current_database() and state like 'idle in transaction%'")]
     event.detail["stopped_s"] = round(trio.current_time() - began, 2)
     event.until = time.time()
     victim.send(signal.SIGCONT)
     return event
+
+
+async def _still_leased(rig: Rig, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    rows = await rig.db.retry(
+        "select l.job_id, l.fence from fl.leases l join unnest(%s::bigint[], %s::bigint[])"
+        " as h(id, fence) on l.job_id = h.id and l.fence = h.fence",
+        ([h[0] for h in pairs], [h[1] for h in pairs]))
+    return [(int(j), int(f)) for j, f in rows]
 
 
 async def terminate(rig: Rig) -> FaultEvent:

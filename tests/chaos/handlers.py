@@ -6,7 +6,9 @@ token: in one transaction it locks the job row ``FOR SHARE``, checks that the jo
 running at its fence, and records the effect as accepted or, when the fence is stale, as
 rejected (and then raises ``FencedOut``). The lock matters: a plain ``WHERE EXISTS`` check
 under READ COMMITTED can pass while the reaper's fence change is committing, and accept a
-stale write.
+stale write. The lock has a price: the reaper skips locked job rows, so a handler stalled
+inside that transaction (SIGSTOP) would keep its job past the lease. The server ends such a
+transaction after ``IDLE_IN_TRANSACTION_MS`` (tests/chaos/test_handler_lock.py shows both).
 
 The handlers are sync on purpose. They run in a thread that the runtime abandons when the
 lease is lost, so a handler that outlived its lease really does try to write afterwards; and
@@ -30,6 +32,8 @@ import psycopg
 from fenceline.worker.job import Job, PermanentError
 
 APPLICATION_NAME = "chaos handler"
+# A stalled handler's transaction is ended by the server after this long (see above).
+IDLE_IN_TRANSACTION_MS = 1000
 
 
 class FencedOut(Exception):
@@ -42,7 +46,9 @@ class PlannedFailure(Exception):
 
 def _connect() -> psycopg.Connection[Any]:
     return psycopg.connect(os.environ["DATABASE_URL"], autocommit=True,
-                           application_name=APPLICATION_NAME, connect_timeout=5)
+                           application_name=APPLICATION_NAME, connect_timeout=5,
+                           options=f"-c idle_in_transaction_session_timeout="
+                                   f"{IDLE_IN_TRANSACTION_MS}")
 
 
 def _payload(job: Job) -> dict[str, Any]:

@@ -18,10 +18,11 @@ def _kv(counts: dict[str, int]) -> str:
 
 def render(config: ChaosConfig, f: Findings, results: list[Check],
            timings: dict[str, float]) -> str:
-    rec = [s for _, s in f.recoveries]
+    rerun = [r.rerun_s for r in f.recoveries]
+    reaped = [r.reaped_s for r in f.recoveries]
     by_kind: dict[str, list[float]] = {}
-    for kind, s in f.recoveries:
-        by_kind.setdefault(kind, []).append(s)
+    for r in f.recoveries:
+        by_kind.setdefault(r.kind, []).append(r.rerun_s)
     fault_counts = Counter(x.event.kind for x in f.faults)
     lines = [
         f"chaos run, seed {config.seed}: {config.workers} workers x {config.concurrency}, "
@@ -50,12 +51,16 @@ def render(config: ChaosConfig, f: Findings, results: list[Check],
         f"of cap {f.cap} ({f.in_flight.samples} samples, {f.in_flight.missed} missed while "
         f"the server was down); breaker opened {f.breaker_opened} times",
         "cron: not yet built",
-        f"recovery (kill or stop -> running again): n={len(rec)}, median "
-        f"{median(rec):.1f} s, max {max(rec, default=float('nan')):.1f} s"
+        f"recovery from a kill or stop: n={len(rerun)} jobs; back in the queue median "
+        f"{median(reaped):.1f} s, max {max(reaped, default=float('nan')):.1f} s; running again "
+        f"median {median(rerun):.1f} s, max {max(rerun, default=float('nan')):.1f} s"
         + "".join(f"; {k} median {median(v):.1f} max {max(v):.1f}"
                   for k, v in sorted(by_kind.items()))
         + (f"; {f.not_rerun} dead-lettered instead" if f.not_rerun else ""),
-        f"processes: {_kv(f.crashes)} 'service crashed' log lines; final stop "
+        f"  {f.reaped_unstarted} attempts reaped before their handler started; "
+        f"{f.own_write_refused} refusals of a report retried after it had committed",
+        f"processes: {_kv(f.crashes)} 'service crashed' log lines (longest restart backoff "
+        f"{f.max_restart_delay:g} s); final stop "
         f"{len(f.stop_codes)} processes, exit codes "
         f"{sorted({c for _, c in f.stop_codes}, key=str)}",
         "checks:",

@@ -54,10 +54,15 @@ class ChaosConfig:
     seed: int | None = None
 
     @property
-    def recovery_bound(self) -> float:
-        """What the issue promises a killed worker's job: lease + reaper interval, plus the
-        retry backoff and generous slack for a loaded 2-core machine."""
-        return self.lease + self.reaper_interval + self.backoff_max_ms / 1000 + 12.0
+    def reap_bound(self) -> float:
+        """The promise: a killed worker's jobs are reaped within lease + reaper interval
+        (measured from the kill, so at most one lease), plus slack for a loaded machine."""
+        return self.lease + self.reaper_interval + 5.0
+
+    @property
+    def rerun_bound(self) -> float:
+        """Reaped, then the retry backoff, then a free slot under the cap: generous."""
+        return self.reap_bound + self.backoff_max_ms / 1000 + 15.0
 
 
 SHORT = ChaosConfig(load_seconds=45)
