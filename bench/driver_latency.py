@@ -9,7 +9,8 @@ Variants (letters as in docs/reference feasibility §1.2):
 Measurements, per variant and run:
 
   latency     ``select 1`` on one connection: --samples timed round trips after --warmup,
-              median and p99 in microseconds;
+              median and p99 in microseconds, and the client process's CPU time per round
+              trip (all threads), which a busy machine distorts much less than wall time;
   throughput  16 tasks, each with its own connection, each running --updates times
               ``UPDATE bench SET n = n + 1 WHERE id = $i RETURNING n`` on its own row;
               operations per second over the whole batch.
@@ -59,9 +60,15 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))]
 
 
-def _latency_summary(samples_ns: list[int]) -> dict[str, float]:
+def _latency_summary(samples_ns: list[int], cpu_s: float) -> dict[str, float]:
     values = sorted(ns / 1000 for ns in samples_ns)
-    return {"median_us": statistics.median(values), "p99_us": _percentile(values, 0.99)}
+    return {
+        "median_us": statistics.median(values),
+        "p99_us": _percentile(values, 0.99),
+        # Client CPU (all threads) per round trip: much less sensitive to machine load than
+        # wall-clock latency, so it shows the driver's own cost when the box is busy.
+        "cpu_us": cpu_s * 1e6 / len(samples_ns),
+    }
 
 
 # --- workers: each runs in its own subprocess and prints one JSON line -------------------
@@ -78,13 +85,16 @@ def worker_a(dsn: str, samples: int, warmup: int, updates: int) -> dict[str, flo
         cur = conn.cursor()
         timings = []
         for i in range(warmup + samples):
+            if i == warmup:
+                cpu0 = time.process_time()
             t0 = time.perf_counter_ns()
             await cur.execute("select 1")
             await cur.fetchone()
             if i >= warmup:
                 timings.append(time.perf_counter_ns() - t0)
+        cpu = time.process_time() - cpu0
         await conn.close()
-        result = _latency_summary(timings)
+        result = _latency_summary(timings, cpu)
 
         conns = [await connect(dsn) for _ in range(TASKS)]
         for c in conns:
@@ -117,13 +127,16 @@ def worker_d(dsn: str, samples: int, warmup: int, updates: int) -> dict[str, flo
         cur = conn.cursor()
         timings = []
         for i in range(warmup + samples):
+            if i == warmup:
+                cpu0 = time.process_time()
             t0 = time.perf_counter_ns()
             await cur.execute("select 1")
             await cur.fetchone()
             if i >= warmup:
                 timings.append(time.perf_counter_ns() - t0)
+        cpu = time.process_time() - cpu0
         await conn.close()
-        result = _latency_summary(timings)
+        result = _latency_summary(timings, cpu)
 
         conns = [
             await psycopg.AsyncConnection.connect(dsn, autocommit=True, prepare_threshold=None)
@@ -164,12 +177,15 @@ def worker_b(dsn: str, samples: int, warmup: int, updates: int) -> dict[str, flo
         conn.execute(SETUP)
         timings = []
         for i in range(warmup + samples):
+            if i == warmup:
+                cpu0 = time.process_time()
             t0 = time.perf_counter_ns()
             await trio.to_thread.run_sync(select1, conn)
             if i >= warmup:
                 timings.append(time.perf_counter_ns() - t0)
+        cpu = time.process_time() - cpu0
         conn.close()
-        result = _latency_summary(timings)
+        result = _latency_summary(timings, cpu)
 
         # A 16-connection "pool": one sync connection per task.
         conns = [psycopg.connect(dsn, autocommit=True, prepare_threshold=None) for _ in range(16)]
@@ -307,21 +323,25 @@ def main() -> None:
             print(
                 f"  run {run + 1}: "
                 + "; ".join(
-                    f"{v} {results[v][-1]['median_us']:.0f} us,"
-                    f" {results[v][-1]['ops_per_s']:,.0f}/s"
+                    f"{v} {results[v][-1]['median_us']:.0f} us"
+                    f" (cpu {results[v][-1]['cpu_us']:.0f}), {results[v][-1]['ops_per_s']:,.0f}/s"
                     for v in variants
                 ),
                 flush=True,
             )
         print(f"load average at end: {_load()}")
         print()
-        print("| variant | select 1 median us | select 1 p99 us | UPDATE...RETURNING ops/s |")
-        print("|---|---|---|---|")
+        print(
+            "| variant | select 1 median us | select 1 p99 us | client CPU us per select 1"
+            " | UPDATE...RETURNING ops/s |"
+        )
+        print("|---|---|---|---|---|")
         for v in variants:
             rs = results[v]
             print(
                 f"| {VARIANTS[v]} | {_fmt([r['median_us'] for r in rs])}"
                 f" | {_fmt([r['p99_us'] for r in rs])}"
+                f" | {_fmt([r['cpu_us'] for r in rs])}"
                 f" | {_fmt([r['ops_per_s'] for r in rs])} |"
             )
         print("\nmedian (min-max) over runs")
