@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quiet-wait",
         type=float,
-        help="max seconds to wait for a quiet host before each run (default 30, smoke 2)",
+        help="max seconds to wait for a quiet host before each run (default 15, smoke 0)",
     )
     parser.add_argument(
         "--results-dir",

@@ -111,6 +111,21 @@ class Postgres:
     def wal_lsn(self) -> int:
         return int(self.scalar("select pg_current_wal_lsn() - '0/0'::pg_lsn"))
 
+    def activity(self, dbname: str) -> list[dict[str, Any]]:
+        """What each backend of dbname is doing (kept when a drain times out)."""
+        cols = ("pid", "state", "wait_event_type", "wait_event", "xact_s", "query_s", "query")
+        rows = self.rows(
+            "select pid, state, wait_event_type, wait_event,"
+            " extract(epoch from now() - xact_start)::float,"
+            " extract(epoch from now() - query_start)::float, left(query, 200)"
+            " from pg_stat_activity where datname = %s",
+            (dbname,),
+        )
+        return [dict(zip(cols, r, strict=True)) for r in rows]
+
+    def checkpoints(self) -> int:
+        return int(self.scalar("select checkpoints_timed + checkpoints_req from pg_stat_bgwriter"))
+
     def transactions(self, dbname: str) -> int:
         return int(
             self.scalar(
@@ -214,7 +229,7 @@ def _lsn(value: int) -> str:
     return f"{value >> 32:X}/{value & 0xFFFFFFFF:X}"
 
 
-_WAL_RECORD = re.compile(r"len \(rec/tot\):\s*\d+/\s*(\d+), tx:\s*(\d+),")
+_WAL_RECORD = re.compile(r"len \(rec/tot\):\s*(\d+)/\s*(\d+), tx:\s*(\d+),")
 
 
 def wal_of_database(tools: tuple[Path, Path], start: int, end: int, dboid: int) -> dict[str, Any]:
@@ -223,12 +238,14 @@ def wal_of_database(tools: tuple[Path, Path], start: int, end: int, dboid: int) 
     A record counts when one of its blocks belongs to the database (rel <spc>/<dboid>/<rel>),
     and so do the commit/abort records of the transactions that wrote those records. Other
     databases' records (other people's tests on this server) and server-wide records
-    (checkpoints, running-xacts) are left out. Bytes are record lengths, FPIs included.
+    (checkpoints, running-xacts) are left out. Bytes are record lengths, full-page images
+    included (and also given apart: every checkpoint, whoever causes it, makes the next
+    change to each page log a whole 8 kB image).
     """
     waldump, pg_wal = tools
     cmd = [str(waldump), "-p", str(pg_wal), "-s", _lsn(start), "-e", _lsn(end)]
     marker = f"/{dboid}/"
-    ours = records = 0
+    ours = records = images = 0
     xids: set[int] = set()
     xact_bytes: dict[int, int] = {}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
@@ -237,20 +254,26 @@ def wal_of_database(tools: tuple[Path, Path], start: int, end: int, dboid: int) 
             if marker in line:
                 m = _WAL_RECORD.search(line)
                 if m:
-                    ours += int(m.group(1))
+                    ours += int(m.group(2))
+                    images += int(m.group(2)) - int(m.group(1))
                     records += 1
-                    if m.group(2) != "0":
-                        xids.add(int(m.group(2)))
+                    if m.group(3) != "0":
+                        xids.add(int(m.group(3)))
             elif line.startswith("rmgr: Transaction"):
                 m = _WAL_RECORD.search(line)
                 if m:
-                    tx = int(m.group(2))
-                    xact_bytes[tx] = xact_bytes.get(tx, 0) + int(m.group(1))
+                    tx = int(m.group(3))
+                    xact_bytes[tx] = xact_bytes.get(tx, 0) + int(m.group(2))
         err = p.stderr.read()
     if p.returncode != 0:
         return {"bytes": None, "error": err.strip()[-300:]}
     ours += sum(n for tx, n in xact_bytes.items() if tx in xids)
-    return {"bytes": ours, "records": records, "transactions": len(xids)}
+    return {
+        "bytes": ours,
+        "full_page_image_bytes": images,
+        "records": records,
+        "transactions": len(xids),
+    }
 
 
 def _is_local_server(pid: int) -> bool:

@@ -121,6 +121,7 @@ def _worker_window(
     sampler = Sampler(ctx.pg, db, exclude={probe.pid})
     records_path = ctx.workdir / f"{tag}.records.json"
     xact0 = ctx.pg.transactions(db)
+    checkpoints0 = ctx.pg.checkpoints()
     t_spawn = time.monotonic()
     worker = peer.spawn(
         "work",
@@ -139,6 +140,8 @@ def _worker_window(
         extra = during() if during else {}
         drained, t_end = probe.wait_empty(drain_timeout)
         s1 = sampler.sample(worker.pid)
+        stall = None if drained else ctx.pg.activity(db)
+        checkpoints = ctx.pg.checkpoints() - checkpoints0
         rss = harness.peak_rss_mb(worker.pid)
         t_stop = time.monotonic()
         result = worker.stop()
@@ -168,6 +171,8 @@ def _worker_window(
         else "pg_current_wal_lsn difference, whole server",
         "wal_bytes_server": wal_server,
         "wal_detail": wal_db,
+        "checkpoints_in_window": checkpoints,
+        "activity_at_timeout": stall,
         "startup_s": t_ready - t_spawn,
         "stop_s": stop_s,
         "drain_s": t_end - t_ready,
@@ -191,6 +196,8 @@ def _worker_window(
             out["pg_cpu_all_s"] / n * 1000 if out["pg_cpu_all_s"] is not None else None
         )
         out["wal_bytes_per_job"] = out["wal_bytes"] / n
+        if wal_db.get("full_page_image_bytes") is not None:
+            out["wal_fpi_bytes_per_job"] = wal_db["full_page_image_bytes"] / n
         out["commits_per_job"] = xacts / n
     problems = []
     if not drained:
@@ -254,9 +261,11 @@ BURNDOWN_COLUMNS: list[tuple[str, str, int]] = [
     ("worker_cpu_s_per_1k", "worker CPU s/1k", 3),
     ("pg_cpu_s_per_1k", "PG CPU s/1k", 3),
     ("wal_bytes_per_job", "WAL B/job", 0),
+    ("wal_fpi_bytes_per_job", "of which FPI", 0),
     ("commits_per_job", "commits/job", 3),
     ("worker_peak_rss_mb", "worker peak RSS MB", 0),
     ("commit_ms_before", "commit ms", 2),
+    ("checkpoints_in_window", "ckpts", 0),
 ]
 
 
@@ -288,7 +297,8 @@ def burndown_summary(
         f"process, concurrency {CONCURRENCY}; median (min-max) of {p['repeat']} run(s) per peer, "
         "peers interleaved. 'slowest/fastest' = this peer's slowest run / the baseline's "
         "fastest run. Costs are per job over the drain window. 'commit ms' = median "
-        "INSERT+COMMIT round trip just before the run (the shared disk's fsync).",
+        "INSERT+COMMIT round trip just before the run (the shared disk's fsync); 'ckpts' = "
+        "checkpoints (anyone's) during the window, each of which adds full-page images.",
         harness.table(headers, rows, right=set(range(1, len(headers)))),
     ]
 
