@@ -9,9 +9,11 @@ Method (the claim prototype's, reference/claim-prototype.md, minus the Trio work
 - optionally a third connection that LISTENs on fl_queue, as every worker process has one
   (PostgreSQL runs a transaction in each listening backend per notifying commit);
 - the clock runs from the first claim until the completer has completed every job.
-Recorded per run: jobs/s, WAL bytes/job (pg_current_wal_lsn difference), commits/job
-(xact_commit + xact_rollback of the database, read after the run's connections have
-closed so their statistics are flushed), claim round trip p50/p99.
+Recorded per run: jobs/s, WAL bytes/job (pg_current_wal_lsn difference: use a server of
+your own, it counts every database), commits/job (xact_commit + xact_rollback of the
+database, read after the run's connections have closed so their statistics are flushed),
+CPU seconds of the run's server backends per 1,000 jobs (psutil; the least load-sensitive
+figure on a shared machine), claim round trip p50/p99.
 
 Sync psycopg from Python threads is slower than the Trio worker the prototype measured
 (the GIL, 115 us vs 38 us per round trip in reference/feasibility.md): read jobs/s as a
@@ -36,6 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
@@ -109,6 +112,76 @@ def setup(
     return str(q), str(w)
 
 
+# A reconstruction of the claim prototype's variant "a" (reference/claim-prototype.md: event
+# per job, lease table, update in place; no cap, no FSM trigger, no FKs), from its sketch. It
+# runs through the same Python loop in the same window, so the engine's figures can be read
+# against it on a machine whose load changes from minute to minute.
+BASELINE = """
+create schema proto;
+create table proto.jobs (id bigint generated always as identity primary key,
+    queue_id int not null, type text not null, payload jsonb not null,
+    status text not null default 'queued', priority int not null default 0,
+    run_at timestamptz not null default now(), fence bigint not null default 0,
+    attempt_count int not null default 0, worker_id uuid, claimed_at timestamptz,
+    finished_at timestamptz);
+create index on proto.jobs (queue_id, priority desc, run_at, id) where status = 'queued';
+create table proto.attempts (job_id bigint, attempt int, fence bigint, worker_id uuid,
+    started_at timestamptz, finished_at timestamptz, outcome text,
+    primary key (job_id, attempt)) with (fillfactor = 50);
+create table proto.leases (job_id bigint primary key, fence bigint, worker_id uuid,
+    expires_at timestamptz);
+create index on proto.leases (expires_at);
+create table proto.events (id bigint generated always as identity primary key, topic text,
+    entity_id bigint, payload jsonb, created_at timestamptz default now());
+create function proto.claim(q int, w uuid, n int)
+returns table (id bigint, fence bigint, attempt_count int, payload jsonb)
+language plpgsql as $$
+begin
+    return query
+    with c as (select j.id from proto.jobs j
+                where j.queue_id = q and j.status = 'queued' and j.run_at <= now()
+                order by priority desc, run_at, id limit n for update skip locked),
+    u as (update proto.jobs j set status = 'running', fence = j.fence + 1,
+                 attempt_count = j.attempt_count + 1, worker_id = w, claimed_at = now()
+            from c where j.id = c.id returning j.id, j.fence, j.attempt_count, j.payload),
+    a as (insert into proto.attempts select u.id, u.attempt_count, u.fence, w, now() from u),
+    l as (insert into proto.leases select u.id, u.fence, w, now() + interval '30 s' from u)
+    select * from u;
+end $$;
+create function proto.complete(ids bigint[], fences bigint[], w uuid)
+returns table (id bigint, outcome text)
+language plpgsql as $$
+begin
+    return query
+    with inp as (select * from unnest(ids, fences) t(id, fence)),
+    done as (update proto.jobs j set status = 'completed', finished_at = now()
+               from inp where j.id = inp.id and j.fence = inp.fence and j.status = 'running'
+             returning j.id, j.fence, j.attempt_count),
+    att as (update proto.attempts a set finished_at = now(), outcome = 'success'
+              from done where a.job_id = done.id and a.attempt = done.attempt_count),
+    ls as (delete from proto.leases l using done where l.job_id = done.id),
+    ev as (insert into proto.events (topic, entity_id, payload)
+           select 'job.completed', done.id, '{}' from done)
+    select inp.id, case when exists (select 1 from done where done.id = inp.id)
+                        then 'ok' else 'fenced' end from inp;
+    perform pg_notify('fl_queue', '1');
+end $$;
+"""
+
+
+def setup_baseline(dsn: str, jobs: int) -> tuple[str, str]:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(BASELINE)  # type: ignore[call-overload]
+        c.execute(
+            "insert into proto.jobs (queue_id, type, payload)"
+            " select 1, 'noop', jsonb_build_object('n', g) from generate_series(1, %s) g",
+            (jobs,),
+        )
+        c.execute("analyze")
+        c.execute("checkpoint")
+    return "1", "00000000-0000-0000-0000-000000000001"
+
+
 def counters(c: psycopg.Connection[Any]) -> tuple[int, int]:
     c.execute("select pg_stat_clear_snapshot()")
     row = c.execute(
@@ -124,7 +197,23 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     types = args.types.split(",")
     name, dsn = create_database(admin_dsn)
     try:
-        q, w = setup(dsn, args.jobs, args.cap, types, args.jobs_fillfactor)
+        if args.baseline:
+            q, w = setup_baseline(dsn, args.jobs)
+            claim_sql = "select id, fence from proto.claim(%(q)s::int, %(w)s::uuid, %(n)s)"
+            complete_sql = (
+                "select count(*) filter (where outcome = 'ok') from"
+                " proto.complete(%(ids)s::bigint[], %(fences)s::bigint[], %(w)s::uuid)"
+            )
+        else:
+            q, w = setup(dsn, args.jobs, args.cap, types, args.jobs_fillfactor)
+            claim_sql = (
+                "select job_id, fence from fl.claim(%(q)s, %(w)s, %(types)s, %(n)s, '30 seconds')"
+                " where outcome = 'ok'"
+            )
+            complete_sql = (
+                "select count(*) filter (where outcome = 'ok') from"
+                " fl.complete(%(w)s, %(ids)s::bigint[], %(fences)s::bigint[])"
+            )
         handoff: queue.Queue[tuple[int, int] | None] = queue.Queue()
         claim_ms: list[float] = []
         done = threading.Event()
@@ -144,9 +233,7 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                 while claimed < args.jobs:
                     t0 = time.perf_counter()
                     rows = claim_conn.execute(
-                        "select job_id, fence from fl.claim(%s, %s, %s, %s, '30 seconds')"
-                        " where outcome = 'ok'",
-                        (q, w, types, args.batch),
+                        claim_sql, {"q": q, "w": w, "types": types, "n": args.batch}
                     ).fetchall()
                     claim_ms.append((time.perf_counter() - t0) * 1000)
                     for r in rows:
@@ -177,9 +264,8 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                             break
                     if batch:
                         out = complete_conn.execute(
-                            "select count(*) filter (where outcome = 'ok') from"
-                            " fl.complete(%s, %s::bigint[], %s::bigint[])",
-                            (w, [b[0] for b in batch], [b[1] for b in batch]),
+                            complete_sql,
+                            {"w": w, "ids": [b[0] for b in batch], "fences": [b[1] for b in batch]},
                         ).fetchone()
                         assert out is not None and out[0] == len(batch), out
                         completed += len(batch)
@@ -197,6 +283,15 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                 for _ in listen_conn.notifies(timeout=0.2):
                     pass
 
+        backends = [
+            psutil.Process(c.info.backend_pid)
+            for c in (claim_conn, complete_conn, listen_conn)
+            if c is not None
+        ]
+
+        def backend_cpu() -> float:
+            return sum(sum(p.cpu_times()[:2]) for p in backends)
+
         with psycopg.connect(dsn, autocommit=True) as probe:
             if args.walstats:
                 probe.execute("create extension if not exists pg_walinspect")
@@ -206,6 +301,7 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
             if lt:
                 lt.start()
                 time.sleep(0.3)
+            cpu0 = backend_cpu()
             t0 = time.perf_counter()
             threads = [threading.Thread(target=claimer), threading.Thread(target=completer)]
             for t in threads:
@@ -215,6 +311,7 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
             elapsed = time.perf_counter() - t0
             if lt:
                 lt.join(5)
+            pg_cpu = backend_cpu() - cpu0
             for c in (claim_conn, complete_conn, listen_conn):
                 if c is not None:
                     c.close()
@@ -232,7 +329,9 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
             if errors:
                 raise errors[0]
             left = probe.execute(
-                "select count(*) from fl.jobs where status <> 'completed'"
+                "select count(*) from proto.jobs where status <> 'completed'"
+                if args.baseline
+                else "select count(*) from fl.jobs where status <> 'completed'"
             ).fetchone()
             assert left is not None and left[0] == 0 and completed == args.jobs
         claim_ms.sort()
@@ -240,6 +339,7 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
             "jobs_per_s": args.jobs / elapsed,
             "wal_bytes_per_job": (wal1 - wal0) / args.jobs,
             "commits_per_job": (commits1 - commits0) / args.jobs,
+            "pg_cpu_s_per_1k": pg_cpu / args.jobs * 1000,
             "claim_ms_p50": claim_ms[len(claim_ms) // 2],
             "claim_ms_p99": claim_ms[int(len(claim_ms) * 0.99)],
             "claims": len(claim_ms),
@@ -290,6 +390,11 @@ def main() -> None:
         action="store_true",
         help="WAL by record type (pg_walinspect, PostgreSQL 15+; a private server)",
     )
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="run the reconstructed claim prototype 'a' instead of fl.* (same loop, same window)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
 
@@ -304,7 +409,8 @@ def main() -> None:
     )
     print("server: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(
-        f"settings: jobs={args.jobs} batch={args.batch} cap={args.cap} types={args.types}"
+        f"settings: {'BASELINE (prototype a) ' if args.baseline else ''}jobs={args.jobs}"
+        f" batch={args.batch} cap={args.cap} types={args.types}"
         f" listen={args.listen} generic={args.generic} prepare={args.prepare}"
     )
     runs = []
@@ -313,7 +419,8 @@ def main() -> None:
         runs.append(r)
         print(
             f"run {i + 1}: {r['jobs_per_s']:,.0f} jobs/s, {r['wal_bytes_per_job']:,.0f} B WAL/job,"
-            f" {r['commits_per_job']:.3f} commits/job, claim p50 {r['claim_ms_p50']:.2f} ms"
+            f" {r['commits_per_job']:.3f} commits/job, {r['pg_cpu_s_per_1k']:.3f} PG CPU s/1k jobs,"
+            f" claim p50 {r['claim_ms_p50']:.2f} ms"
             f" p99 {r['claim_ms_p99']:.2f} ms ({r['claims']} claims)"
         )
         for rec in r["wal_by_record"]:
@@ -333,6 +440,7 @@ def main() -> None:
         f"median (min-max) of {len(runs)}: {spread('jobs_per_s', ',.0f')} jobs/s,"
         f" {spread('wal_bytes_per_job', ',.0f')} B WAL/job,"
         f" {spread('commits_per_job', '.3f')} commits/job,"
+        f" {spread('pg_cpu_s_per_1k', '.3f')} PG CPU s/1k jobs,"
         f" claim p50 {spread('claim_ms_p50', '.2f')} ms"
     )
     if args.json:
