@@ -210,7 +210,9 @@ class _Run:
 
     async def _drain(self, handlers: trio.Nursery) -> None:
         """Claiming has stopped: let handlers finish up to the drain timeout, then cancel."""
-        with trio.CancelScope(shield=True):
+        # Bounded: with the database unreachable the link retries for ever, and a shield
+        # without a bound would keep the process from stopping at all.
+        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT):
             await self.report_link.call(
                 lambda c: calls.worker_heartbeat(c, self.worker_id, "draining"))
         if self.running:
@@ -377,9 +379,19 @@ class _Run:
         ids = [h.job.id for h, _ in batch]
         fences = [h.job.fence for h, _ in batch]
         results = [r for _, r in batch]
-        with trio.CancelScope(shield=True):
+        outcomes: list[calls.JobOutcome] | None = None
+        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT * 3):
             outcomes = await self.report_link.call(
                 lambda c: calls.complete(c, self.worker_id, ids, fences, results))
+        if outcomes is None:
+            # The database did not answer in time (the link retries a lost connection for
+            # ever). Stop holding these jobs: their leases lapse and they run again, as
+            # after any lost report.
+            log.warning("completions not reported: the database did not answer",
+                        extra={"jobs": ids})
+            for held, _ in batch:
+                self.held.pop(held.job.id, None)
+            return
         for (held, _), out in zip(batch, outcomes, strict=True):
             if out.outcome == "ok":
                 self.w.stats.completed += 1
