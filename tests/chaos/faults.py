@@ -13,6 +13,15 @@ expire_leases  Set 1-3 random leases' expires_at a second in the past. Proves: t
                takes them from a live worker, whose late writes are refused.
 sigterm        SIGTERM a worker holding jobs; start a new one. Proves: graceful drain: exit
                0, every job reported or released, none left to the reaper.
+
+Two more in the long run:
+
+sigterm_db_down  Stop the PostgreSQL server, SIGTERM a worker, start the server once the
+                 worker is gone. Proves: a worker stops (exit 0, bounded) even when it
+                 cannot reach its database (the bug this suite found; see
+                 tests/worker/test_stop_without_database.py).
+sigkill_scheduler  SIGKILL a scheduler replica; start a new one a second later. Proves: the
+                 other replicas' sweeps carry on (jobs are still reaped in time).
 """
 
 from __future__ import annotations
@@ -34,6 +43,10 @@ from tests.chaos.db import Db, DbDown
 RESPAWN_AFTER = 1.0
 # How long a fault looks for a worker that holds jobs before it takes any worker.
 PICK_PATIENCE = 5.0
+# How long a worker told to stop may take with its database down: the sum of its bounded
+# clean-up writes (draining heartbeat 10 s, a failure report 30 s, marking itself stopped
+# 10 s, ...; measured 41-43 s when a handler's report was in flight).
+STOP_WITHOUT_DATABASE_BOUND = 75.0
 
 
 @dataclass
@@ -192,6 +205,33 @@ async def sigterm(rig: Rig) -> FaultEvent:
     return event
 
 
+async def sigterm_db_down(rig: Rig) -> FaultEvent:
+    victim, worker_id = await _pick_worker(rig)
+    event = FaultEvent("sigterm_db_down", time.time(), pid=victim.pid, worker_id=worker_id)
+    began = trio.current_time()
+    await rig.pg.stop()
+    victim.send(signal.SIGTERM)
+    code = await victim.wait(STOP_WITHOUT_DATABASE_BOUND + 15)
+    event.detail.update(exit_code=code, stop_s=round(trio.current_time() - began, 2))
+    await rig.pg.start(rig.server_nursery)
+    event.until = time.time()
+    event.detail["down_s"] = round(trio.current_time() - began, 2)
+    await _respawn(rig, victim)
+    return event
+
+
+async def sigkill_scheduler(rig: Rig) -> FaultEvent:
+    victim = rig.rng.choice(sorted((p for p in rig.fleet.schedulers.values() if p.alive),
+                                   key=lambda p: p.slot))
+    event = FaultEvent("sigkill_scheduler", time.time(), pid=victim.pid)
+    victim.send(signal.SIGKILL)
+    await victim.wait(10)
+    await rig.fleet.retire(victim)
+    await trio.sleep(RESPAWN_AFTER)
+    await rig.fleet.spawn("scheduler", victim.slot)
+    return event
+
+
 async def _held_by(rig: Rig, worker_id: uuid.UUID | None) -> list[tuple[int, int]]:
     if worker_id is None:
         return []
@@ -211,3 +251,13 @@ FAULTS: dict[str, Callable[[Rig], Awaitable[FaultEvent]]] = {
     "expire_leases": expire_leases,
     "sigterm": sigterm,
 }
+
+# Faults of the long run only: the first keeps the fleet without a database for 20-45 s.
+LONG_FAULTS: dict[str, Callable[[Rig], Awaitable[FaultEvent]]] = {
+    **FAULTS,
+    "sigterm_db_down": sigterm_db_down,
+    "sigkill_scheduler": sigkill_scheduler,
+}
+
+# How often each kind is drawn for the faults after the first round (relative weights).
+WEIGHTS = {"sigterm_db_down": 0.1}

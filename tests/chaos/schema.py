@@ -6,6 +6,8 @@
 ``chaos.job_log``  every (fence, status) a job has had, written by a trigger on fl.jobs in
                    the transaction that changed it. It is the independent history the checks
                    hold the handlers' side effects against.
+``chaos.lease_log`` every lease that ended, with the expiry it had and when it was deleted:
+                   how late the reaper was.
 
 Ordering. ``chaos.seq`` numbers job_log rows and effects alike. A handler takes its number
 while it holds ``FOR SHARE`` on the job row, and the trigger takes its number while the
@@ -65,6 +67,25 @@ begin
     return null;
 end;
 $$;
+
+create table chaos.lease_log (
+    job_id      bigint not null,
+    fence       bigint not null,
+    expires_at  timestamptz not null,
+    deleted_at  timestamptz not null default clock_timestamp()
+);
+
+create function chaos.log_lease() returns trigger
+language plpgsql as $$
+begin
+    insert into chaos.lease_log (job_id, fence, expires_at)
+    values (old.job_id, old.fence, old.expires_at);
+    return null;
+end;
+$$;
+
+create trigger chaos_lease_gone after delete on fl.leases
+    for each row execute function chaos.log_lease();
 
 create trigger chaos_log_insert after insert on fl.jobs
     for each row execute function chaos.log_job();

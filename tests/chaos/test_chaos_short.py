@@ -27,5 +27,5 @@ def test_short_chaos_run_loses_nothing_and_finishes_nothing_twice(
         print("\n" + outcome.report)
         if outcome.log_dir is not None:
             print(f"process logs kept in {outcome.log_dir}")
-    failed = [c for c in outcome.results if c.ok is False]
+    failed = [c for c in outcome.results if c.ok is False and not c.known_issue]
     assert not failed, "\n".join(f"{c.name}: {c.detail}" for c in failed)
