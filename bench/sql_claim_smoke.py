@@ -74,10 +74,32 @@ def drop_database(admin_dsn: str, name: str) -> None:
         c.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
 
 
+STRIPPABLE = {
+    # Experiments only: what an integrity device of the schema costs, measured by removing it
+    # from a throwaway database. The migrations keep all of them.
+    "guard": ["alter table fl.jobs disable trigger jobs_guard"],
+    "fk": ["alter table fl.leases drop constraint leases_worker_id_fkey"],
+    "checks": [
+        "do $$ declare r record; begin for r in select conrelid::regclass as t, conname"
+        " from pg_constraint where contype = 'c' and conrelid in"
+        " ('fl.jobs'::regclass, 'fl.attempts'::regclass) loop"
+        " execute format('alter table %s drop constraint %I', r.t, r.conname); end loop; end $$"
+    ],
+}
+
+
 def setup(
-    dsn: str, jobs: int, cap: int | None, types: list[str], fillfactor: int | None = None
+    dsn: str,
+    jobs: int,
+    cap: int | None,
+    types: list[str],
+    fillfactor: int | None = None,
+    strip: list[str] | None = None,
 ) -> tuple[str, str]:
     with psycopg.connect(dsn, autocommit=True) as c:
+        for device in strip or []:
+            for stmt in STRIPPABLE[device]:
+                c.execute(stmt)  # type: ignore[call-overload]
         if fillfactor is not None:  # an experiment: the migrations' choice is the default
             c.execute(
                 sql.SQL("alter table fl.jobs set (fillfactor = {})").format(sql.Literal(fillfactor))
@@ -205,7 +227,14 @@ def one_run(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                 " proto.complete(%(ids)s::bigint[], %(fences)s::bigint[], %(w)s::uuid)"
             )
         else:
-            q, w = setup(dsn, args.jobs, args.cap, types, args.jobs_fillfactor)
+            q, w = setup(
+                dsn,
+                args.jobs,
+                args.cap,
+                types,
+                args.jobs_fillfactor,
+                args.strip.split(",") if args.strip else None,
+            )
             claim_sql = (
                 "select job_id, fence from fl.claim(%(q)s, %(w)s, %(types)s, %(n)s, '30 seconds')"
                 " where outcome = 'ok'"
@@ -391,6 +420,13 @@ def main() -> None:
         help="WAL by record type (pg_walinspect, PostgreSQL 15+; a private server)",
     )
     p.add_argument(
+        "--strip",
+        default="",
+        help="experiment: remove integrity devices first (comma list of: "
+        + ", ".join(STRIPPABLE)
+        + ")",
+    )
+    p.add_argument(
         "--baseline",
         action="store_true",
         help="run the reconstructed claim prototype 'a' instead of fl.* (same loop, same window)",
@@ -410,7 +446,7 @@ def main() -> None:
     print("server: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(
         f"settings: {'BASELINE (prototype a) ' if args.baseline else ''}jobs={args.jobs}"
-        f" batch={args.batch} cap={args.cap} types={args.types}"
+        f" batch={args.batch} cap={args.cap} types={args.types} strip={args.strip or '-'}"
         f" listen={args.listen} generic={args.generic} prepare={args.prepare}"
     )
     runs = []
