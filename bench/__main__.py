@@ -77,16 +77,18 @@ def header(machine: dict[str, Any], commit_ms: float | None, smoke: bool) -> lis
         f"{machine['memory_gib']} GiB, {machine['os']}, load avg {machine['load_avg_1_5_15']}",
         f"postgres: {pgs['server_version']}; shared_buffers {pgs['shared_buffers']}, "
         f"synchronous_commit {pgs['synchronous_commit']}, fsync {pgs['fsync']}, "
-        f"max_connections {pgs['max_connections']}, wal_sync_method {pgs['wal_sync_method']}; "
+        f"max_connections {pgs['max_connections']}, wal_sync_method {pgs['wal_sync_method']}, "
+        f"autovacuum {pgs['autovacuum']}; "
         f"INSERT+COMMIT round trip median {commit_ms} ms",
         f"harness: python {machine['harness_python']}, "
         + ", ".join(f"{k} {v}" for k, v in machine["harness_packages"].items()),
-        "method: each run gets a fresh database and the peer's schema; jobs are inserted, then "
-        "ANALYZE + CHECKPOINT and a wait for a quiet host; the worker starts and the clock "
-        "runs from its 'ready' line until a probe sees nothing queued or running. CPU by "
-        "psutil (worker; PG = the peer database's backends + checkpointer/bgwriter/walwriter), "
-        "WAL by pg_current_wal_lsn, commits by pg_stat_database xact_commit+xact_rollback "
-        "(probe queries subtracted). Compare ratios within one run: the host is shared.",
+        "method: a fresh database and the peer's schema per run; burn-down jobs are "
+        "inserted, then ANALYZE; CHECKPOINT; a wait for a quiet host; the worker starts "
+        "and the clock runs from its 'ready' line until a probe sees nothing queued or "
+        "running. CPU by psutil (worker; PG = the peer database's backends + checkpointer, "
+        "bgwriter, walwriter); WAL by pg_waldump, this database's records only; commits by "
+        "pg_stat_database (probe queries subtracted). The host is shared: compare ratios "
+        "within one run.",
     ]
 
 

@@ -102,6 +102,9 @@ class Postgres:
         self.drop_database(name)
         self.conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
 
+    def checkpoint(self) -> None:
+        self.conn.execute("checkpoint")
+
     def analyze_and_checkpoint(self, dbname: str, checkpoint: bool = True) -> None:
         with psycopg.connect(url_for(self.dsn, dbname), autocommit=True) as conn:
             conn.execute("analyze")
