@@ -805,6 +805,7 @@ declare
     v_queues uuid[];
     v_bad_ids bigint[];
     v_bad_fences bigint[];
+    v_again bigint[];
 begin
     n := fl._check_id_arrays(p_ids, p_fences);
     if p_results is not null and cardinality(p_results) <> n then
@@ -856,15 +857,28 @@ begin
     end if;
 
     if coalesce(cardinality(v_ids), 0) < n then
+        -- A retry of this worker's own completion whose acknowledgement was lost with the
+        -- connection: the attempt at that fence is already this worker's success. Answer ok
+        -- again and record nothing (completed jobs never change fence, so this is exact).
+        select array_agg(i.id) into v_again
+          from unnest(p_ids, p_fences) as i(id, fence)
+          join fl.attempts a on a.job_id = i.id and a.fence = i.fence
+         where (v_ids is null or not (i.id = any(v_ids)))
+           and a.outcome = 'success' and a.worker_id = p_worker;
         select array_agg(i.id), array_agg(i.fence) into v_bad_ids, v_bad_fences
           from unnest(p_ids, p_fences) as i(id, fence)
-         where v_ids is null or not (i.id = any(v_ids));
-        perform fl._record_violations(p_worker, 'complete', v_bad_ids, v_bad_fences, v_now);
+         where (v_ids is null or not (i.id = any(v_ids)))
+           and (v_again is null or not (i.id = any(v_again)));
+        if v_bad_ids is not null then
+            perform fl._record_violations(p_worker, 'complete', v_bad_ids, v_bad_fences, v_now);
+        end if;
     end if;
 
     return query
     select i.id, i.fence,
-           case when v_ids is not null and i.id = any(v_ids) then 'ok' else 'fenced' end
+           case when (v_ids is not null and i.id = any(v_ids))
+                  or (v_again is not null and i.id = any(v_again)) then 'ok'
+                else 'fenced' end
       from unnest(p_ids, p_fences) with ordinality as i(id, fence, ord)
      order by i.ord;
 end;
