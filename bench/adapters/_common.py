@@ -15,8 +15,8 @@ The protocol between the harness and an adapter:
 - ``work --concurrency C --records PATH``: print ``ready <unix time>`` once the worker is
   about to consume, run until SIGTERM/SIGINT, then write the start records to PATH and
   print ``result``.
-- ``produce --rate R --seconds S``: submit round(R*S) jobs one at a time on a fixed
-  schedule; each job carries its submit timestamp.
+- ``produce --rate R --seconds S``: submit round(R*S) jobs, one per insert, each sent at
+  its scheduled time over a small connection pool; each carries its submit timestamp.
 
 Exit codes: 0 ok, 3 the adapter is not available (for example not written yet), anything
 else is a failure.
@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 EXIT_NOT_AVAILABLE = 3
+
+# Connections a producer may use, so one slow commit does not hold back the next job.
+PRODUCER_POOL = 8
 
 # (job id, submit unix time from the payload, unix time at which the handler began)
 StartRecord = tuple[Any, float, float]
@@ -100,31 +103,48 @@ def write_records(path: Path, records: list[StartRecord]) -> None:
 async def paced(
     rate: float, seconds: float, submit: Callable[[float], Awaitable[None]]
 ) -> dict[str, float]:
-    """Call submit(submit_ts) round(rate*seconds) times, on a fixed open-loop schedule.
+    """Submit round(rate*seconds) jobs, one per call, on a fixed open-loop schedule.
 
-    A late submission is not skipped: the next ones follow their own schedule (sent at once
-    when already due), so a slow submit shows up as lag and a lower achieved rate, which are
-    returned with the count.
+    Each submission starts at its scheduled time as its own task, whether or not the earlier
+    ones have finished (the adapters bound them with a small connection pool), so a slow
+    commit does not lower the offered rate. The submit timestamp is taken at the scheduled
+    time, before any wait for a pooled connection, so that wait counts as latency.
     """
     n = round(rate * seconds)
     interval = 1.0 / rate
     t0 = time.monotonic()
     max_lag = 0.0
     last = t0
+    in_flight = 0
+    max_in_flight = 0
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(ts: float) -> None:
+        nonlocal in_flight
+        in_flight += 1
+        try:
+            await submit(ts)
+        finally:
+            in_flight -= 1
+
     for i in range(n):
-        due = t0 + i * interval
-        delay = due - time.monotonic()
+        delay = t0 + i * interval - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         else:
             max_lag = max(max_lag, -delay)
         last = time.monotonic()
-        await submit(time.time())
-    # Rate over the intervals between the first and the last submission.
+        task = asyncio.create_task(one(time.time()))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        max_in_flight = max(max_in_flight, in_flight + 1)
+    if tasks:
+        await asyncio.gather(*tasks)
     span = last - t0
     return {
         "submitted": n,
         "elapsed_s": time.monotonic() - t0,
         "achieved_rate_per_s": (n - 1) / span if n > 1 and span > 0 else float(n),
         "max_lag_ms": max_lag * 1000,
+        "max_in_flight": max_in_flight,
     }

@@ -19,7 +19,8 @@ Settings, all from pgqueuer's own documentation (docs/ in github.com/janbjorge/p
 - Schema: `pgq install` then `pgq autovac` (deployment.md checklist: "`pgq autovac` applied
   after installation"). Both are per-table settings, not server settings.
 - Bulk enqueue: `Queries.enqueue` with lists ("Scalar args = single insert; lists = batch
-  insert"), as a producer would, over one asyncpg connection.
+  insert") over one asyncpg connection. The one-at-a-time producer uses `AsyncpgPoolDriver`
+  (pool of 8): performance-tuning.md "Use AsyncpgPoolDriver for producers".
 - Logging is not configured: pgqueuer logs per job only at DEBUG.
 """
 
@@ -47,6 +48,7 @@ SETTINGS: dict[str, Any] = {
     "durability": "durable (default)",
     "schema": "pgq install + pgq autovac",
     "enqueue": "Queries.enqueue(lists): one INSERT ... unnest for the whole batch",
+    "producer": "Queries.enqueue(one job) over AsyncpgPoolDriver, pool of 8",
 }
 SOURCES = [
     "pgqueuer docs/guides/deployment.md (single worker process, deployment checklist)",
@@ -130,18 +132,22 @@ async def work(dsn: str, concurrency: int, records: list[_common.StartRecord]) -
 
 
 async def produce(dsn: str, rate: float, seconds: float) -> dict[str, float]:
-    from pgqueuer import AsyncpgDriver, Queries
+    import asyncpg
+    from pgqueuer import AsyncpgPoolDriver, Queries
 
-    conn = await connect(dsn)
+    # performance-tuning.md checklist: "Use AsyncpgPoolDriver for producers".
+    pool = await asyncpg.create_pool(
+        dsn, min_size=_common.PRODUCER_POOL, max_size=_common.PRODUCER_POOL
+    )
     try:
-        queries = Queries(AsyncpgDriver(conn))
+        queries = Queries(AsyncpgPoolDriver(pool))
 
         async def submit(ts: float) -> None:
             await queries.enqueue(ENTRYPOINT, repr(ts).encode())
 
         return await _common.paced(rate, seconds, submit)
     finally:
-        await conn.close()
+        await pool.close()
 
 
 def main(argv: list[str] | None = None) -> None:

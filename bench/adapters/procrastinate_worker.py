@@ -43,6 +43,7 @@ SETTINGS: dict[str, Any] = {
     "delete_jobs": "never (default)",
     "schema": "schema_manager.apply_schema_async()",
     "enqueue": "Task.batch_defer_async: one statement for the whole batch",
+    "producer": "Task.defer_async(one job) over the connector's pool of 8",
 }
 SOURCES = [
     "procrastinate docs/howto/basics/connector.md (PsycopgConnector, pool arguments)",
@@ -96,7 +97,7 @@ async def work(dsn: str, concurrency: int, records: list[_common.StartRecord]) -
 
 
 async def produce(dsn: str, rate: float, seconds: float) -> dict[str, float]:
-    app = make_app(dsn, 1)
+    app = make_app(dsn, _common.PRODUCER_POOL)
     async with app.open_async():
         task = app.tasks[TASK_NAME]
 
