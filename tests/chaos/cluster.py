@@ -6,13 +6,16 @@ a fresh 0755 temporary folder (as root the server runs as ``nobody``). A restart
 launcher's own shutdown (SIGINT to the postmaster: fast shutdown) followed by a start on the
 same data dir and port, so the socket DSN every client holds stays valid across it.
 
-Every fenceline process is ``python -m fenceline run`` from the repository root, with
-``DATABASE_URL`` set and its log (JSON lines) in a file of its own.
+Every fenceline process is ``python -m fenceline run`` with ``DATABASE_URL`` set and its
+log (JSON lines) in a file of its own. It runs a snapshot of the code (``snapshot_code``)
+taken when the run starts: the working tree is shared, and a worker restarted mid-run must
+run the same code and migrations as the others, whatever is edited meanwhile.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +31,22 @@ from fenceline.db.embedded import EmbeddedServer, EmbeddedSettings, run_embedded
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DATABASE = "fenceline_chaos"
+
+
+def snapshot_code(dest: Path) -> Path:
+    """Copy the package, its migrations and the chaos handlers under ``dest``; return it.
+
+    The layout is the installed one (``fenceline/migrations``), so with ``dest`` as the
+    working directory ``python -m fenceline`` imports the copy, not the editable checkout.
+    """
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(REPO_ROOT / "fenceline", dest / "fenceline", ignore=skip)
+    shutil.copytree(REPO_ROOT / "migrations", dest / "fenceline" / "migrations", ignore=skip)
+    (dest / "tests" / "chaos").mkdir(parents=True)
+    (dest / "tests" / "__init__.py").touch()
+    (dest / "tests" / "chaos" / "__init__.py").touch()
+    shutil.copy(REPO_ROOT / "tests" / "chaos" / "handlers.py", dest / "tests" / "chaos")
+    return dest
 
 
 class PrivatePostgres:
@@ -145,8 +164,9 @@ class ProcessSettings:
 class Fleet:
     """The worker slots and scheduler replicas; a slot whose process ended can be refilled."""
 
-    def __init__(self, dsn: str, settings: ProcessSettings, log_dir: Path) -> None:
+    def __init__(self, dsn: str, settings: ProcessSettings, log_dir: Path, code: Path) -> None:
         self.dsn = dsn
+        self.code = code  # a snapshot_code() folder
         self.settings = settings
         self.log_dir = log_dir
         self.workers: dict[int, Proc] = {}
@@ -167,13 +187,13 @@ class Fleet:
     async def spawn(self, role: str, slot: int) -> Proc:
         self.starts += 1
         env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
-        env.update(DATABASE_URL=self.dsn, LOG_FORMAT="json", PYTHONPATH=str(REPO_ROOT))
+        env.update(DATABASE_URL=self.dsn, LOG_FORMAT="json", PYTHONPATH=str(self.code))
         log_path = self.log_dir / f"{role}-{slot}-{self.starts}.log"
         log = log_path.open("w")
         try:
             process = await trio.lowlevel.open_process(
                 [sys.executable, "-m", "fenceline", "run", *self._argv(role)],
-                cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL,
+                cwd=str(self.code), env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=log)
         except BaseException:
             log.close()

@@ -29,7 +29,13 @@ from psycopg import sql
 from fenceline.db import migrator
 from fenceline.db.connection import connect
 from tests.chaos import checks, load
-from tests.chaos.cluster import DATABASE, Fleet, PrivatePostgres, ProcessSettings
+from tests.chaos.cluster import (
+    DATABASE,
+    Fleet,
+    PrivatePostgres,
+    ProcessSettings,
+    snapshot_code,
+)
 from tests.chaos.db import Db
 from tests.chaos.faults import FAULTS, LONG_FAULTS, WEIGHTS, FaultEvent, Rig
 from tests.chaos.report import render
@@ -100,6 +106,7 @@ def run_chaos(config: ChaosConfig, *, keep_logs: bool = False) -> Outcome:
     base = Path(tempfile.mkdtemp(prefix="fenceline-chaos-"))
     base.chmod(0o755)  # as root the server runs as nobody and must reach its data dir
     (base / "logs").mkdir()
+    snapshot_code(base / "code")
     outcome: Outcome | None = None
     try:
         outcome = trio.run(_run, config, base)
@@ -112,6 +119,7 @@ def run_chaos(config: ChaosConfig, *, keep_logs: bool = False) -> Outcome:
             if pg_log.exists():
                 shutil.copy(pg_log, base / "logs" / "postgres.log")
             shutil.rmtree(base / "pgdata", ignore_errors=True)
+            shutil.rmtree(base / "code", ignore_errors=True)
             if outcome is not None:
                 outcome.log_dir = base / "logs"
 
@@ -127,12 +135,12 @@ async def _run(config: ChaosConfig, base: Path) -> Outcome:
         db = Db(pg.dsn)
         fleet: Fleet | None = None
         try:
-            queue = await _prepare_database(pg, config)
+            queue = await _prepare_database(pg, config, base / "code")
             timings["server_s"] = trio.current_time() - began
             fleet = Fleet(pg.dsn, ProcessSettings(
                 queue=str(queue), lease=config.lease, concurrency=config.concurrency,
                 drain_timeout=config.drain_timeout, reaper_interval=config.reaper_interval,
-                orphan_interval=config.orphan_interval), base / "logs")
+                orphan_interval=config.orphan_interval), base / "logs", base / "code")
             for slot in range(config.schedulers):
                 await fleet.spawn("scheduler", slot)
             for slot in range(config.workers):
@@ -169,12 +177,15 @@ async def _run(config: ChaosConfig, base: Path) -> Outcome:
     return Outcome(config, config.seed, findings, results, report, None, timings)
 
 
-async def _prepare_database(pg: PrivatePostgres, config: ChaosConfig) -> uuid.UUID:
-    """The chaos database: every migration, the suite's tables, one capped queue."""
+async def _prepare_database(pg: PrivatePostgres, config: ChaosConfig,
+                            code: Path) -> uuid.UUID:
+    """The chaos database: every migration (of the code snapshot the fleet runs), the
+    suite's tables, one capped queue."""
     async with await connect(pg.admin_dsn) as admin:
         await admin.execute(sql.SQL("create database {}").format(sql.Identifier(DATABASE)))
     async with await connect(pg.dsn) as conn:
-        await migrator.migrate(conn)
+        await migrator.migrate(
+            conn, migrator.load_migrations(code / "fenceline" / "migrations"))
         await conn.execute(SCHEMA.encode())
         cur = await conn.execute(
             b"with org as (insert into fl.organizations (name) values ('chaos') returning id),"

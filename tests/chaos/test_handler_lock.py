@@ -3,10 +3,10 @@
 A handler that commits its side effect under ``SELECT ... FOR SHARE`` of its job row cannot
 commit at a stale fence (tests/chaos/handlers.py). But the reaper skips locked job rows
 (``FOR UPDATE SKIP LOCKED``: a job being reported right now is not its to judge), so a
-handler stalled inside that transaction keeps its job past the lease. The long chaos run
-showed it once: a SIGSTOP landed inside the transaction and the stopped worker's job was
-not reaped until SIGCONT, 20 s later. ``idle_in_transaction_session_timeout`` on the
-handler's connection makes the server end such a transaction, and the job is reaped.
+handler stalled inside that transaction keeps its job past the lease. An early long chaos
+run most likely hit it: one job of a SIGSTOPped worker was not reaped until SIGCONT, 23 s
+later, while its other jobs were reaped at once. ``idle_in_transaction_session_timeout`` on
+the handler's connection makes the server end such a transaction, and the job is reaped.
 """
 
 from __future__ import annotations
