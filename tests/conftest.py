@@ -21,6 +21,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,21 +108,16 @@ def server_dsn() -> Iterator[str]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def template_db(server_dsn: str) -> Iterator[str]:
-    """Name of a database with every migration applied, built once per run."""
-    name = f"fl_template_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+@contextmanager
+def scratch_database(server_dsn: str, prefix: str, template: str | None = None) -> Iterator[str]:
+    """Create a database (optionally from ``template``), yield its name, drop it."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    create = sql.SQL("create database {}").format(sql.Identifier(name))
+    if template is not None:
+        create = sql.SQL("{} template {}").format(create, sql.Identifier(template))
     with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
-
-    async def apply() -> None:
-        from fenceline.db.connection import connect
-
-        async with await connect(_with_dbname(server_dsn, name)) as conn:
-            await migrator.migrate(conn)
-
+        admin.execute(create)
     try:
-        trio.run(apply)
         yield name
     finally:
         with psycopg.connect(server_dsn, autocommit=True) as admin:
@@ -129,33 +125,33 @@ def template_db(server_dsn: str) -> Iterator[str]:
                           .format(sql.Identifier(name)))
 
 
+@pytest.fixture(scope="session")
+def template_db(server_dsn: str) -> Iterator[str]:
+    """Name of a database with every migration applied, built once per run."""
+
+    async def apply(name: str) -> None:
+        from fenceline.db.connection import connect
+
+        async with await connect(_with_dbname(server_dsn, name)) as conn:
+            await migrator.migrate(conn)
+
+    with scratch_database(server_dsn, f"fl_template_{os.getpid()}") as name:
+        trio.run(apply, name)
+        yield name
+
+
 @pytest.fixture
 def dsn(server_dsn: str, template_db: str) -> Iterator[str]:
     """A DSN to a fresh, fully migrated database of this test's own."""
-    name = f"fl_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("create database {} template {}").format(
-            sql.Identifier(name), sql.Identifier(template_db)))
-    try:
+    with scratch_database(server_dsn, "fl_test", template_db) as name:
         yield _with_dbname(server_dsn, name)
-    finally:
-        with psycopg.connect(server_dsn, autocommit=True) as admin:
-            admin.execute(sql.SQL("drop database if exists {} with (force)")
-                          .format(sql.Identifier(name)))
 
 
 @pytest.fixture
 def empty_dsn(server_dsn: str) -> Iterator[str]:
     """A DSN to a fresh database with no migrations applied (for migrator tests)."""
-    name = f"fl_empty_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
-    try:
+    with scratch_database(server_dsn, "fl_empty") as name:
         yield _with_dbname(server_dsn, name)
-    finally:
-        with psycopg.connect(server_dsn, autocommit=True) as admin:
-            admin.execute(sql.SQL("drop database if exists {} with (force)")
-                          .format(sql.Identifier(name)))
 
 
 @pytest.fixture
