@@ -69,3 +69,18 @@ def test_every_sweep_is_a_service_with_its_interval() -> None:
     settings = Settings(reaper_interval=2.5)
     assert [s.name for s in scheduler_services()] == [f"sweep:{s.name}" for s in SWEEPS]
     assert sweep("reaper").interval(settings) == 2.5
+
+
+async def test_an_unreachable_database_skips_passes_instead_of_crashing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fenceline.scheduler.sweeps import sweep_service
+
+    service = sweep_service(sweep("reaper"))
+    async with open_pool("postgresql://postgres@127.0.0.1:1/none", max_size=1,
+                         timeout=0.5) as pool:
+        ctx = ServiceContext(Settings(reaper_interval=0.2), Readiness(), pool)
+        with trio.move_on_after(2):
+            await service.run(ctx)  # must keep running: no exception escapes
+    skipped = [r for r in caplog.records if r.getMessage() == "sweep skipped: database unreachable"]
+    assert len(skipped) == 1, "logged once per outage, not once per pass"
