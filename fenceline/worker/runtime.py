@@ -401,42 +401,55 @@ class _Run:
             self.held.pop(held.job.id, None)
         self.wake.set()  # local completions free cap room
 
+    async def _report_one(self, held: _Held, stat: str,
+                          call: Callable[[Any], Awaitable[str]],
+                          bound: float = CLEANUP_TIMEOUT * 3) -> str | None:
+        """Send one job's report (shielded, bounded), count it, flush its logs, let it go.
+
+        ``call`` returns the engine's outcome; ``fenced`` is counted as such, anything else
+        under ``stat``. Returns the outcome, or None when the database did not answer.
+        """
+        outcome: str | None = None
+        with trio.CancelScope(shield=True), trio.move_on_after(bound):
+            outcome = await self.report_link.call(call)
+            if outcome == "fenced":
+                self.w.stats.fenced += 1
+            else:
+                setattr(self.w.stats, stat, getattr(self.w.stats, stat) + 1)
+            await self._flush_logs(held)
+        self.held.pop(held.job.id, None)
+        return outcome
+
     async def _report_fail(self, held: _Held, kind: str, message: str,
                            error_class: str) -> None:
         job = held.job
-        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT * 3):
-            out = await self.report_link.call(lambda c: calls.fail(
-                c, self.worker_id, job.id, job.fence, kind, message[:4000], error_class))
-            if out.outcome == "fenced":
-                self.w.stats.fenced += 1
-            else:
-                self.w.stats.failed += 1
-            await self._flush_logs(held)
-        self.held.pop(job.id, None)
+
+        async def fail(c: Any) -> str:
+            out = await calls.fail(c, self.worker_id, job.id, job.fence, kind,
+                                   message[:4000], error_class)
+            return out.outcome
+
+        await self._report_one(held, "failed", fail)
 
     async def _report_snooze(self, held: _Held, seconds: float) -> None:
         job = held.job
-        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT * 3):
-            out = await self.report_link.call(
-                lambda c: calls.snooze(c, self.worker_id, job.id, job.fence, seconds))
-            if out.outcome == "fenced":
-                self.w.stats.fenced += 1
-            else:
-                self.w.stats.snoozed += 1
-            await self._flush_logs(held)
-        self.held.pop(job.id, None)
+
+        async def snooze(c: Any) -> str:
+            out = await calls.snooze(c, self.worker_id, job.id, job.fence, seconds)
+            return out.outcome
+
+        await self._report_one(held, "snoozed", snooze)
 
     async def _release(self, held: _Held, why: str) -> None:
         job = held.job
-        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT):
-            outs = await self.report_link.call(
-                lambda c: calls.release(c, self.worker_id, [job.id], [job.fence]))
-            if outs and outs[0].outcome == "fenced":
-                self.w.stats.fenced += 1
-            else:
-                self.w.stats.released += 1
-                log.info(why, extra={"job": job.id, "fence": job.fence})
-        self.held.pop(job.id, None)
+
+        async def release(c: Any) -> str:
+            outs = await calls.release(c, self.worker_id, [job.id], [job.fence])
+            return outs[0].outcome if outs else "ok"
+
+        outcome = await self._report_one(held, "released", release, CLEANUP_TIMEOUT)
+        if outcome not in (None, "fenced"):
+            log.info(why, extra={"job": job.id, "fence": job.fence})
 
     async def _flush_logs(self, held: _Held) -> None:
         lines = held.job.take_logs()
