@@ -56,6 +56,14 @@ def parse_database_url(text: str) -> str:
     return text
 
 
+def parse_origins(text: str) -> tuple[str, ...]:
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for origin in origins:
+        if "://" not in origin:
+            raise ValueError(f"origin {origin!r} must look like https://example.com")
+    return origins
+
+
 def parse_port(text: str) -> int:
     port = int(text)
     if not 1 <= port <= 65535:
@@ -143,6 +151,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("handlers", "--handlers", "FENCELINE_HANDLERS", parse_module_name, None,
             "Worker role: a Python module whose HANDLERS dict (job type -> handler) is run "
             "besides the built-in noop, sleep, fail, shell and http."),
+    Setting("password_profile", "--password-profile", "FENCELINE_PASSWORD_PROFILE",
+            parse_choice(("standard", "minimal")), "standard",
+            "API role: argon2id cost. 'minimal' is for tests only: it makes stolen hashes cheap "
+            "to crack.", commands=("run",)),
+    Setting("api_allowed_origins", "--api-allowed-origins", "API_ALLOWED_ORIGINS", parse_origins,
+            "", "API role: comma-separated origins (scheme://host[:port], '*' wildcards) allowed "
+            "to open the event websocket; empty = same origin only."),
     Setting("reaper_interval", "--reaper-interval", "FENCELINE_REAPER_INTERVAL", parse_seconds,
             "1", "Scheduler role: seconds between reaper passes (expired leases)."),
     Setting("promoter_interval", "--promoter-interval", "FENCELINE_PROMOTER_INTERVAL",
@@ -173,6 +188,8 @@ class Settings:
     concurrency: int = 16
     lease: float = 30.0
     handlers: str | None = None
+    password_profile: str = "standard"
+    api_allowed_origins: tuple[str, ...] = ()
     reaper_interval: float = 1.0
     promoter_interval: float = 1.0
     breaker_interval: float = 1.0

@@ -36,13 +36,14 @@ _HTTP_CODES = {
 class Problem(Exception):
     """An error answer. ``code`` is part of the API contract; never rename one."""
 
-    def __init__(self, status: int, code: str, title: str, detail: str | None = None,
-                 **extra: Any) -> None:
+    def __init__(self, status: int, code: str, title: str, detail: str | None = None, *,
+                 headers: dict[str, str] | None = None, **extra: Any) -> None:
         super().__init__(detail or title)
         self.status = status
         self.code = code
         self.title = title
         self.detail = detail
+        self.headers = headers or {}
         self.extra = extra
 
     def body(self) -> dict[str, Any]:
@@ -58,9 +59,12 @@ class Problem(Exception):
         return body
 
 
-def problem_response(problem: Problem) -> Response:
-    return Response(json.dumps(problem.body()), status=problem.status,
-                    content_type=PROBLEM_JSON)
+def problem_response(problem: Problem, request_id: str | None = None) -> Response:
+    body = problem.body()
+    if request_id is not None:
+        body["request_id"] = request_id
+    return Response(json.dumps(body, default=str), status=problem.status,
+                    headers=problem.headers, content_type=PROBLEM_JSON)
 
 
 def from_http_exception(exc: HTTPException) -> Problem:

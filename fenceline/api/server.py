@@ -35,5 +35,5 @@ def hypercorn_config(settings: Settings) -> Config:
 async def serve_api(settings: Settings, readiness: Readiness, shutdown: trio.Event,
                     *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until ``shutdown`` is set; ``started`` carries the bound addresses."""
-    await hypercorn_serve(create_app(readiness), hypercorn_config(settings),
+    await hypercorn_serve(create_app(readiness, settings), hypercorn_config(settings),
                           shutdown_trigger=shutdown.wait, task_status=task_status)
