@@ -8,7 +8,7 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from fenceline.api import accounts, health
+from fenceline.api import accounts, health, openapi
 from fenceline.api.endpoint import Resource, request_id_of
 from fenceline.api.passwords import Passwords
 from fenceline.api.problems import Problem, from_http_exception, problem_response
@@ -36,6 +36,7 @@ def create_app(readiness: Readiness, settings: Settings | None = None) -> QuartT
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["JSON_SORT_KEYS"] = False
     app.register_blueprint(health.blueprint)
+    app.register_blueprint(openapi.blueprint)
     for resource in RESOURCES:
         app.register_blueprint(resource.blueprint)
 

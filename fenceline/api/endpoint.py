@@ -120,6 +120,8 @@ class Endpoint:
             base.add(401)
         if self.scope is not None:
             base |= {403, 404}
+        if self.users_only:
+            base.add(403)
         return tuple(sorted(base | set(self.problems)))
 
 
