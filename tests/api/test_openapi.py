@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 from openapi_spec_validator import validate
 
 from fenceline.api import openapi
 from fenceline.api.app import RESOURCES
 from tests.api.conftest import Api
-
-API_MD = Path(__file__).resolve().parents[2] / "docs" / "API.md"
-
 
 async def test_the_served_document_is_valid_openapi_3_1(api: Api) -> None:
     answer = await api.get("openapi.json")
@@ -42,9 +37,3 @@ def test_every_declared_endpoint_has_an_answer_and_errors() -> None:
             if ep.role not in (None, "user"):
                 assert ep.scope is not None or 403 in ep.problems, (
                     f"{ep.path}: a role without a scope must check it itself")
-
-
-def test_docs_api_md_is_fresh() -> None:
-    text = API_MD.read_text()
-    assert openapi.splice(text, openapi.markdown(RESOURCES)) == text, (
-        "docs/API.md is stale: run python -m fenceline.api.openapi --write-docs")
