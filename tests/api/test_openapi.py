@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+
 from openapi_spec_validator import validate
 
 from fenceline.api import openapi
 from fenceline.api.app import RESOURCES
 from tests.api.conftest import Api
+
 
 async def test_the_served_document_is_valid_openapi_3_1(api: Api) -> None:
     answer = await api.get("openapi.json")
