@@ -13,6 +13,7 @@ error: the database no longer matches the code that claims to describe it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import re
 from dataclasses import dataclass
@@ -75,7 +76,12 @@ class Status:
 
 
 def load_migrations(source: Traversable | None = None) -> tuple[Migration, ...]:
-    """The migrations in ``source`` (default: those shipped), in order, checked for gaps."""
+    """The migrations in ``source`` (default: those shipped), in order.
+
+    Numbers must be unique; gaps are allowed (work in progress reserves numbers), and
+    ``_check`` refuses a pending migration older than one already applied, which is what a
+    gap could otherwise hide.
+    """
     found: list[Migration] = []
     for entry in (source or resources.files("fenceline.migrations")).iterdir():
         match = _NAME.match(entry.name)
@@ -83,10 +89,10 @@ def load_migrations(source: Traversable | None = None) -> tuple[Migration, ...]:
             continue
         found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
     found.sort(key=lambda m: m.version)
-    for expected, m in enumerate(found, start=1):
-        if m.version != expected:
-            raise MigrationError(f"migration numbers must run 1, 2, 3...: {m.filename} "
-                                 f"found where {expected:04d} was expected")
+    for before, after in itertools.pairwise(found):
+        if before.version == after.version:
+            raise MigrationError(f"two migrations have number {after.version:04d}: "
+                                 f"{before.filename} and {after.filename}")
     return tuple(found)
 
 
@@ -112,6 +118,12 @@ def _check(applied: dict[int, str], migrations: tuple[Migration, ...]) -> Status
                 "never edit an applied migration: add a new one"
             )
     pending = tuple(m for m in migrations if m.version not in applied)
+    newest = max(applied, default=0)
+    late = [m.filename for m in pending if m.version < newest]
+    if late:
+        raise MigrationError(
+            f"migration {late[0]} is older than {newest:04d}, which is already applied; "
+            "renumber it after the newest applied migration")
     return Status(applied=tuple(sorted(applied)), pending=pending)
 
 

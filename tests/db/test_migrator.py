@@ -71,11 +71,28 @@ async def test_a_failing_migration_leaves_nothing_behind(empty_dsn: str) -> None
     assert await applied_versions(empty_dsn) == [m.version for m in SHIPPED]
 
 
-def test_migration_numbers_must_not_have_gaps(tmp_path: Path) -> None:
+def test_migration_numbers_must_be_unique(tmp_path: Path) -> None:
     (tmp_path / "0001_a.sql").write_text("select 1;")
-    (tmp_path / "0003_c.sql").write_text("select 1;")
-    with pytest.raises(migrator.MigrationError, match=r"0003_c\.sql found where 0002"):
+    (tmp_path / "0002_b.sql").write_text("select 1;")
+    (tmp_path / "0002_c.sql").write_text("select 1;")
+    with pytest.raises(migrator.MigrationError, match=r"two migrations have number 0002"):
         migrator.load_migrations(tmp_path)  # type: ignore[arg-type]
+
+
+async def test_a_migration_older_than_the_newest_applied_is_refused(
+        empty_dsn: str, tmp_path: Path) -> None:
+    from fenceline.db.connection import connect
+
+    (tmp_path / "0001_a.sql").write_text("create table fl.a (x int);")
+    (tmp_path / "0003_c.sql").write_text("create table fl.c (x int);")
+    async with await connect(empty_dsn) as conn:
+        done = await migrator.migrate(conn, migrator.load_migrations(tmp_path))  # type: ignore[arg-type]
+        assert [m.version for m in done] == [1, 3]   # a gap is fine
+        (tmp_path / "0002_b.sql").write_text("create table fl.b (x int);")
+        with pytest.raises(migrator.MigrationError, match=r"0002_b\.sql is older than 0003"):
+            await migrator.migrate(conn, migrator.load_migrations(tmp_path))  # type: ignore[arg-type]
+        cur = await conn.execute("select to_regclass('fl.b') is null")
+        assert await cur.fetchone() == (True,)
 
 
 def test_two_migrate_processes_at_once_both_succeed(empty_dsn: str) -> None:
