@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import harness, peers, workloads
+from bench import engine_workloads, harness, peers, workloads
 from bench.harness import Postgres, log
 
 
@@ -104,6 +104,7 @@ def peer_lines(ready: dict[str, peers.Peer]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    assert engine_workloads.FENCELINE_ONLY  # imported for its register() calls
     args = parse_args(argv)
     if args.workload == "list":
         list_workloads()
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     commit_probe: harness.CommitProbe | None = None
     broken = False
+    pinned = harness.pin_fenceline_migrations(workdir)
     try:
         machine = harness.machine_info(pg)
         commit_probe = harness.CommitProbe(pg, scratch)
@@ -155,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         commit_ms = commit_probe.median_ms(50 if smoke else 200)
         for line in header(machine, commit_ms, smoke):
             log(line)
+        log(
+            f"fenceline schema: migrations/ of git {pinned} (the working tree's are being edited "
+            "by others)"
+            if pinned
+            else "fenceline schema: the working tree's migrations/ (no git checkout here)"
+        )
 
         ready: dict[str, peers.Peer] = {}
         unavailable: dict[str, str] = {}

@@ -228,6 +228,37 @@ class CommitProbe:
         self.pg.drop_database(self.dbname)
 
 
+def pin_fenceline_migrations(workdir: Path) -> str | None:
+    """Copy migrations/ as committed at HEAD into workdir and point fenceline's adapter (and
+    bench/fenceline_run.py) at the copy, through the environment its processes inherit.
+
+    Other people edit migrations/ in this working tree while benchmarks run; a half-written
+    file would make every fenceline run fail, and an edited one would make the schema differ
+    between runs. Returns the commit, or None (no git checkout: the working tree is used).
+    """
+    repo = BENCH_DIR.parent
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()
+        archive = subprocess.run(
+            ["git", "-C", str(repo), "archive", commit, "migrations"],
+            capture_output=True, timeout=60, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    import io
+    import tarfile
+
+    target = workdir / "pinned"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(target, filter="data")
+    os.environ["BENCH_FENCELINE_MIGRATIONS"] = str(target / "migrations")
+    os.environ["BENCH_FENCELINE_MIGRATIONS_COMMIT"] = commit
+    return commit
+
+
 def _lsn(value: int) -> str:
     return f"{value >> 32:X}/{value & 0xFFFFFFFF:X}"
 

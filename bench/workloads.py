@@ -57,6 +57,8 @@ class Workload:
     params: Callable[[bool], dict[str, Any]] | None = None  # smoke -> parameters
     run: RunFn | None = None
     summarize: SummaryFn | None = None
+    # Peers this workload measures (None: every peer); the others have no equivalent.
+    only: tuple[str, ...] | None = None
 
     @property
     def built(self) -> bool:
@@ -456,14 +458,15 @@ register(
     )
 )
 
-# Planned (issue 5): plug a run/summary pair in with register() to build one.
-for _name, _desc in (
-    ("claim-cost", "claim cost against table size (queued/finished rows from 1k to 10M)"),
-    ("recovery", "recovery after SIGKILL of a worker: time until its jobs run again, duplicates"),
-    ("http-submit", "HTTP submission: submit-to-start and throughput through the API"),
-    ("caps", "concurrency caps under contention: does the cap hold with several workers"),
-):
-    register(Workload(_name, _desc))
+# Planned: plug a run/summary pair in with register() to build one. claim-cost, recovery
+# and caps are in bench/engine_workloads.py (fenceline only).
+register(
+    Workload(
+        "http-submit",
+        "HTTP submission: submit-to-start and throughput through the API "
+        "(not measured: API not built yet)",
+    )
+)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -484,13 +487,19 @@ def run_workload(ctx: Context, wl: Workload, peers: list[Peer], p: dict[str, Any
     unavailable: dict[str, str] = {}
     failed: dict[str, str] = {}
     order: list[list[str]] = []
+    if wl.only is not None:
+        skipped = [peer.name for peer in peers if peer.name not in wl.only]
+        if skipped:
+            harness.log(f"[{wl.name}] {', '.join(skipped)}: no equivalent workload, not run")
+        peers = [peer for peer in peers if peer.name in wl.only]
     for rep in range(int(p["repeat"])):
         active = [peer for peer in peers if peer.name not in unavailable | failed]
         ctx.rng.shuffle(active)
         order.append([peer.name for peer in active])
         for peer in active:
             t0 = time.monotonic()
-            harness.log(f"[{wl.name}] rep {rep + 1}/{p['repeat']} {peer.name} ...")
+            load0 = [round(x, 2) for x in os.getloadavg()]
+            harness.log(f"[{wl.name}] rep {rep + 1}/{p['repeat']} {peer.name} ... (load {load0})")
             try:
                 run = wl.run(ctx, peer, rep, p)
             except PeerUnavailable as exc:
@@ -501,7 +510,13 @@ def run_workload(ctx: Context, wl: Workload, peers: list[Peer], p: dict[str, Any
                 failed[peer.name] = str(exc)
                 harness.log(f"[{wl.name}] {peer.name}: FAILED: {exc}")
                 continue
-            run.update(peer=peer.name, rep=rep, wall_s=time.monotonic() - t0)
+            run.update(
+                peer=peer.name,
+                rep=rep,
+                wall_s=time.monotonic() - t0,
+                load_avg_before=load0,
+                load_avg_after=[round(x, 2) for x in os.getloadavg()],
+            )
             runs[peer.name].append(run)
             harness.log(f"[{wl.name}]   {describe(run)}")
     return Outcome({k: v for k, v in runs.items() if v}, unavailable, failed, order)

@@ -25,6 +25,7 @@ retry states cannot occur with a no-op handler, and would show up as missing job
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
@@ -75,12 +76,24 @@ async def queue_id(conn: Any) -> Any:
     return await calls.resolve_queue(conn, QUEUE_PATH)
 
 
+def migrations() -> Any:
+    """The migrations to apply: the harness's pinned copy of HEAD's migrations/ when
+    BENCH_FENCELINE_MIGRATIONS names one (other people edit the working tree's), else the
+    working tree's."""
+    from pathlib import Path
+
+    from fenceline.db import migrator
+
+    pinned = os.environ.get("BENCH_FENCELINE_MIGRATIONS")
+    return migrator.load_migrations(Path(pinned) if pinned else None)  # type: ignore[arg-type]
+
+
 async def setup(dsn: str) -> None:
     from fenceline.db import migrator
 
     conn = await connect(dsn)
     async with conn:
-        await migrator.migrate(conn)
+        await migrator.migrate(conn, migrations())
         await conn.execute(QUEUE_SQL)
 
 
@@ -185,13 +198,52 @@ async def produce(dsn: str, rate: float, seconds: float) -> dict[str, float]:
     }
 
 
+def schema_version() -> dict[str, str]:
+    """Which engine SQL ran: the migrations' combined checksum and the git state of the tree
+    (other people edit migrations/ in this working tree, so HEAD alone does not say)."""
+    import hashlib
+    import subprocess
+
+    from fenceline.db import migrator
+
+    digest = hashlib.sha256()
+    try:
+        found = migrations()
+    except migrator.MigrationError as exc:
+        return {"migrations": f"unusable: {exc}"}
+    for m in found:
+        digest.update(m.checksum.encode())
+    try:
+        git = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+            timeout=10, check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "migrations"], capture_output=True,
+            text=True, timeout=10, check=False,
+        ).stdout.split()
+    except OSError:
+        git, dirty = "unknown", []
+    pinned = os.environ.get("BENCH_FENCELINE_MIGRATIONS_COMMIT")
+    return {
+        "migrations": f"{len(found)} files ({found[-1].filename} last), "
+        f"sha256 {digest.hexdigest()[:12]}",
+        "migrations_from": f"git {pinned} (pinned by the harness)" if pinned
+        else "working tree",
+        "git": git,
+        "working_tree_migrations_uncommitted": " ".join(dirty[1::2]) or "none",
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _common.parse_args(PEER, argv)
     if args.command == "info":
         _common.emit_result(
             peer=PEER,
-            versions=_common.installed_versions("fenceline", "psycopg", "psycopg-binary",
-                                                "trio"),
+            versions={
+                **_common.installed_versions("fenceline", "psycopg", "psycopg-binary", "trio"),
+                **schema_version(),
+            },
             settings=SETTINGS,
             sources=SOURCES,
             remaining_sql=REMAINING_SQL,

@@ -1,0 +1,612 @@
+"""Workloads that measure fenceline alone: claim cost against table size, recovery after
+SIGKILL, and the concurrency cap under contention.
+
+Why fenceline only (printed with each table, and in docs/BENCHMARKS.md):
+
+- claim-cost: the peers keep their history differently (pgqueuer moves finished jobs out of
+  its queue table into a log table; procrastinate keeps them in procrastinate_jobs), so a
+  like-for-like "N finished rows beside the queue" fixture needs a per-peer fixture command
+  that does not exist yet; only fenceline is measured.
+- recovery: pgqueuer retries a job whose heartbeat is older than its retry timer, and
+  procrastinate leaves stalled jobs to user code (`JobManager.get_stalled_jobs`); neither has
+  an equivalent of a lease reaped by a separate scheduler, so there is nothing to compare.
+- caps: fenceline's cap is a count of lease rows under a per-queue advisory transaction
+  lock (docs/DECISIONS.md). It has no shard setting, so shards are "not applicable: single
+  counter-free gate" and one configuration is measured. procrastinate has no concurrency cap;
+  pgqueuer's per-entrypoint `concurrency_limit` is not compared here.
+
+Every run gets a fresh database migrated by the fenceline adapter's `setup`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from bench import harness
+from bench.harness import fmt, fmt_spread, spread
+from bench.peers import BENCH_DIR, AdapterFailed, Peer
+from bench.workloads import Context, Workload, fresh_peer_db, register
+
+FENCELINE_ONLY = ("fenceline",)
+QUEUE_PATH = "bench/bench/bench"
+
+
+def _connect(url: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(url, autocommit=True)
+
+
+def _queue(conn: psycopg.Connection[Any]) -> Any:
+    row = conn.execute("select id from fl.queues where name = 'bench'").fetchone()
+    assert row is not None, "the adapter's setup made no bench queue"
+    return row[0]
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ----------------------------------------------------------------------------- claim cost
+
+# Terminal rows are a bench fixture inserted directly, with every trigger of fl.jobs disabled
+# for the insert (jobs_birth refuses a job born terminal; the FK triggers would check one
+# queue row per job) and enabled again before anything is measured. The rows satisfy every
+# CHECK constraint of fl.jobs (finished_at set exactly when terminal, no deadline).
+FILL_SQL = """
+insert into fl.jobs (project_id, queue_id, type, payload, status, priority, run_at, fence,
+                     attempts, timeout_ms, retry_policy_id, created_at, claimed_at, finished_at)
+select q.project_id, q.id, 'noop', '{"ts": 0}',
+       (case when g %% 50 = 0 then 'dead_letter' when g %% 100 = 1 then 'cancelled'
+             else 'completed' end)::fl.job_status,
+       0, t, 1, 1, 300000, q.retry_policy_id, t, t, t
+  from fl.queues q,
+       generate_series(%(lo)s::bigint, %(hi)s::bigint) g,
+       lateral (select now() - interval '30 days' + g * interval '1 ms' as t) x
+ where q.id = %(q)s
+"""
+FILL_BATCH = 1_000_000
+
+
+def claim_cost_params(smoke: bool) -> dict[str, Any]:
+    if smoke:
+        return {"sizes": [10_000], "queued": 300, "claims": 100, "explains": 20, "repeat": 1}
+    return {
+        "sizes": [10_000, 100_000, 1_000_000, 10_000_000],
+        "queued": 2_000,
+        "claims": 500,
+        "explains": 100,
+        "repeat": 1,
+    }
+
+
+def _claim_and_complete(conn: psycopg.Connection[Any], q: Any, w: Any, n: int,
+                        explain: bool) -> tuple[float, dict[str, Any] | None, int]:
+    claim = "select * from fl.claim(%s, %s, array['noop'], %s, interval '30 seconds')"
+    t0 = time.perf_counter()
+    if explain:
+        plan = conn.execute(
+            "explain (analyze, buffers, format json) " + claim, (q, w, n)
+        ).fetchone()[0][0]  # type: ignore[index]
+        ms = (time.perf_counter() - t0) * 1000
+        # EXPLAIN does not return the rows: complete what this worker holds instead.
+        rows = conn.execute(
+            "select job_id, fence from fl.leases where worker_id = %s", (w,)
+        ).fetchall()
+        node = plan["Plan"]
+        info = {
+            "exec_ms": plan["Execution Time"],
+            "shared_hit": node["Shared Hit Blocks"],
+            "shared_read": node["Shared Read Blocks"],
+            "shared_dirtied": node["Shared Dirtied Blocks"],
+        }
+    else:
+        rows = [
+            (r[1], r[2])
+            for r in conn.execute(claim, (q, w, n)).fetchall()
+            if r[0] == "ok"
+        ]
+        ms = (time.perf_counter() - t0) * 1000
+        info = None
+    if rows:
+        conn.execute(
+            "select * from fl.complete(%s, %s, %s, %s::jsonb[])",
+            (w, [r[0] for r in rows], [r[1] for r in rows], [None] * len(rows)),
+        )
+    return ms, info, len(rows)
+
+
+def claim_cost_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str, Any]:
+    db, url = fresh_peer_db(ctx, peer)
+    steps = []
+    problems: list[str] = []
+    try:
+        with _connect(url) as conn:
+            q = _queue(conn)
+            have = 0
+            for size in p["sizes"]:
+                t0 = time.monotonic()
+                conn.execute("alter table fl.jobs disable trigger all")
+                try:
+                    while have < size:
+                        hi = min(size, have + FILL_BATCH)
+                        conn.execute(FILL_SQL, {"lo": have + 1, "hi": hi, "q": q})
+                        have = hi
+                finally:
+                    conn.execute("alter table fl.jobs enable trigger all")
+                fill_s = time.monotonic() - t0
+                if not steps:
+                    # A standing backlog of queued jobs, submitted the normal way; each n
+                    # below adds what it will take, so the backlog is the same at every size.
+                    conn.execute(
+                        "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
+                        (q, p["queued"]),
+                    )
+                conn.execute("analyze fl.jobs")
+                if not ctx.smoke:
+                    ctx.pg.checkpoint()
+                busy = harness.wait_quiet(ctx.quiet_max_s)
+                w = conn.execute(
+                    "select fl.register_worker(array[%s]::uuid[], array['noop'], 'bench',"
+                    " pg_backend_pid(), 16, null)",
+                    (q,),
+                ).fetchone()[0]  # type: ignore[index]
+                step: dict[str, Any] = {
+                    "rows": size,
+                    "standing_backlog": p["queued"],
+                    "fill_s": round(fill_s, 1),
+                    "jobs_total_bytes": conn.execute(
+                        "select pg_total_relation_size('fl.jobs')").fetchone()[0],  # type: ignore[index]
+                    "jobs_heap_bytes": conn.execute(
+                        "select pg_relation_size('fl.jobs')").fetchone()[0],  # type: ignore[index]
+                    "host_busy_before_cores": busy,
+                    "commit_ms_before": ctx.commit_ms(),
+                    "load_avg": _load(),
+                }
+                for n in (1, 16):
+                    # What this n will take, on top of the standing backlog of `queued`.
+                    conn.execute(
+                        "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
+                        (q, (p["claims"] + p["explains"] + 5) * n),
+                    )
+                    # Warm the session (plan caches) with a few claims, not measured.
+                    for _ in range(5):
+                        _claim_and_complete(conn, q, w, n, False)
+                    lat = []
+                    handed = 0
+                    for _ in range(p["claims"]):
+                        ms, _, got = _claim_and_complete(conn, q, w, n, False)
+                        lat.append(ms)
+                        handed += got
+                    infos = [
+                        _claim_and_complete(conn, q, w, n, True)[1]
+                        for _ in range(p["explains"])
+                    ]
+                    if handed < p["claims"] * n:
+                        problems.append(f"{size} rows, n={n}: only {handed} jobs claimed")
+                    step[f"n{n}"] = {
+                        "claim_ms": harness.latency_stats(lat),
+                        "explain_exec_ms": spread(i["exec_ms"] for i in infos if i),
+                        "shared_hit": spread(i["shared_hit"] for i in infos if i),
+                        "shared_read": spread(i["shared_read"] for i in infos if i),
+                        "shared_dirtied": spread(i["shared_dirtied"] for i in infos if i),
+                    }
+                conn.execute("select fl.worker_heartbeat(%s, 'stopped')", (w,))
+                steps.append(step)
+                harness.log(
+                    f"[claim-cost]   {size:,} rows: n=1 p50 "
+                    f"{step['n1']['claim_ms']['p50']:.2f} ms, "
+                    f"{step['n1']['shared_hit'].get('median')} hit / "
+                    f"{step['n1']['shared_read'].get('median')} read blocks; n=16 p50 "
+                    f"{step['n16']['claim_ms']['p50']:.2f} ms (fill {fill_s:.0f} s)"
+                )
+    finally:
+        ctx.pg.drop_database(db)
+    return {"steps": steps, "problems": problems, "handled": len(steps), "load_avg": _load()}
+
+
+def claim_cost_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
+                       p: dict[str, Any]) -> list[str]:
+    rs = runs.get("fenceline", [])
+    if not rs:
+        return ["Claim cost: fenceline was not measured (adapter not available)."]
+    steps = rs[-1]["steps"]
+    base = {n: steps[0][f"n{n}"]["claim_ms"]["p50"] for n in (1, 16)} if steps else {}
+    headers = ["rows in fl.jobs", "jobs table", "n", "claim p50 ms", "p99 ms", "x smallest",
+               "exec ms (EXPLAIN)", "shared hit", "shared read", "load avg"]
+    rows = []
+    for s in steps:
+        for n in (1, 16):
+            m = s[f"n{n}"]
+            rows.append([
+                f"{s['rows']:,}",
+                f"{s['jobs_total_bytes'] / 2**20:,.0f} MB",
+                str(n),
+                fmt(m["claim_ms"]["p50"], 2),
+                fmt(m["claim_ms"]["p99"], 2),
+                harness.ratio(m["claim_ms"]["p50"], base[n]),
+                fmt_spread(m["explain_exec_ms"], 3),
+                fmt_spread(m["shared_hit"]),
+                fmt_spread(m["shared_read"]),
+                " ".join(str(x) for x in s["load_avg"]),
+            ])
+    return [
+        "Claim cost against table size (fenceline only: the peers keep history in other "
+        f"tables; see bench/engine_workloads.py). {p['queued']:,} queued jobs beside N "
+        "terminal rows (98% completed, 1% dead_letter, 1% cancelled; a fixture inserted with "
+        "fl.jobs' triggers disabled, then re-enabled; ANALYZE, no VACUUM). One connection: "
+        f"{p['claims']} x (fl.claim n, then fl.complete) per n, client round trip of the "
+        f"claim; then {p['explains']} claims under EXPLAIN (ANALYZE, BUFFERS) for the blocks "
+        "touched by the whole call (median (min-max)).",
+        harness.table(headers, rows, right=set(range(1, len(headers) - 1))),
+    ]
+
+
+# ----------------------------------------------------------------------------- recovery
+
+
+def recovery_params(smoke: bool) -> dict[str, Any]:
+    common = {"victims": 4, "victim_concurrency": 4, "jobs": 16, "reaper_interval_s": 1.0}
+    if smoke:
+        return {**common, "lease_s": 2.0, "retry_base_ms": [1000], "repeat": 1}
+    return {**common, "lease_s": 5.0, "retry_base_ms": [1000, 0], "repeat": 1}
+
+
+class _Proc:
+    """A `fenceline run` process (via bench/fenceline_run.py, for the pinned schema) with its
+    output in a file."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self._f = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(BENCH_DIR / "fenceline_run.py"), "--log-format", "json", *args],
+            stdout=self._f, stderr=subprocess.STDOUT, cwd=BENCH_DIR.parent,
+        )
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._f.close()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._f.close()
+
+
+def _wait_for(cond: Any, timeout: float, what: str, interval: float = 0.02) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return time.time()
+        if time.monotonic() > deadline:
+            raise AdapterFailed(f"recovery: {what} did not happen within {timeout:.0f} s")
+        time.sleep(interval)
+
+
+def _recovery_once(ctx: Context, peer: Peer, p: dict[str, Any], base_ms: int,
+                   tag: str) -> dict[str, Any]:
+    db, url = fresh_peer_db(ctx, peer)
+    procs: list[_Proc] = []
+    lease = p["lease_s"]
+    try:
+        with _connect(url) as conn:
+            q = _queue(conn)
+            conn.execute(
+                "update fl.retry_policies set base_delay_ms = %s"
+                " where id = (select retry_policy_id from fl.queues where id = %s)",
+                (base_ms, q),
+            )
+            conn.execute(
+                "select fl.submit(%s, 'sleep', '{\"ms\": 600000}') from generate_series(1, %s)",
+                (q, p["jobs"]),
+            )
+            common = ["--database-url", url, "--drain-timeout", "1"]
+            sched = _Proc([*common, "--roles", "scheduler", "--reaper-interval",
+                           str(p["reaper_interval_s"])], ctx.workdir / f"{tag}-scheduler.log")
+            procs.append(sched)
+            victims = [
+                _Proc([*common, "--roles", "worker", "--queue", QUEUE_PATH, "--concurrency",
+                       str(p["victim_concurrency"]), "--lease", str(lease)],
+                      ctx.workdir / f"{tag}-victim{i}.log")
+                for i in range(p["victims"])
+            ]
+            procs.extend(victims)
+
+            def held_by(n_workers: int) -> bool:
+                row = conn.execute(
+                    "select count(*), count(distinct l.worker_id) from fl.jobs j"
+                    " join fl.leases l on l.job_id = j.id and l.fence = j.fence"
+                    " where j.status = 'running'"
+                ).fetchone()
+                return row == (p["jobs"], n_workers)  # type: ignore[comparison-overlap]
+
+            _wait_for(lambda: held_by(p["victims"]), 60, "16 jobs running on the victims")
+            spare = _Proc([*common, "--roles", "worker", "--queue", QUEUE_PATH,
+                           "--concurrency", "16", "--lease", str(lease)],
+                          ctx.workdir / f"{tag}-spare.log")
+            procs.append(spare)
+            _wait_for(lambda: conn.execute(
+                "select count(*) from fl.workers where state = 'active'"
+            ).fetchone()[0] == p["victims"] + 1, 60, "the spare worker registering")  # type: ignore[index]
+            # Let the heartbeats (every lease/3) fall at a random phase against the kill.
+            time.sleep(lease / 3 * ctx.rng.random() + 0.5)
+            before = {
+                r[0]: (r[1], r[2])
+                for r in conn.execute(
+                    "select job_id, fence, extract(epoch from expires_at)::float8"
+                    " from fl.leases").fetchall()
+            }
+            spare_id = conn.execute(
+                "select id from fl.workers where pid = %s", (spare.proc.pid,)
+            ).fetchone()
+            t_kill = time.time()
+            for v in victims:
+                v.proc.send_signal(signal.SIGKILL)
+            for v in victims:
+                v.kill()
+            t_all = _wait_for(
+                lambda: conn.execute(
+                    "select count(*) from fl.leases l join fl.jobs j on j.id = l.job_id"
+                    " and j.fence = l.fence where j.status = 'running' and l.worker_id = %s",
+                    (spare_id[0] if spare_id else None,),
+                ).fetchone()[0] == p["jobs"],  # type: ignore[index]
+                120, "every job running again on the spare worker", 0.01)
+            rss = harness.peak_rss_mb(spare.proc.pid)
+            per_job = conn.execute(
+                "select a.job_id, extract(epoch from a.finished_at)::float8, a.outcome::text,"
+                " extract(epoch from j.run_at)::float8, extract(epoch from j.claimed_at)::float8,"
+                " j.fence, j.status::text"
+                " from fl.attempts a join fl.jobs j on j.id = a.job_id"
+                " where a.job_id = any(%s) and a.fence = (select f from unnest(%s::bigint[],"
+                " %s::bigint[]) as x(i, f) where x.i = a.job_id)",
+                (list(before), list(before), [v[0] for v in before.values()]),
+            ).fetchall()
+            dup = conn.execute(
+                "select count(*) from fl.attempts where outcome = 'success'").fetchone()[0]  # type: ignore[index]
+    finally:
+        for proc in procs:
+            proc.kill()
+        ctx.pg.drop_database(db)
+    jobs = []
+    for job_id, reaped, outcome, run_at, claimed, fence, status in per_job:
+        expires = before[job_id][1]
+        jobs.append({
+            "job": job_id,
+            "old_outcome": outcome,
+            "new_fence": fence,
+            "status": status,
+            "lease_expired_after_kill_s": expires - t_kill,
+            "reaped_after_expiry_s": reaped - expires if reaped else None,
+            "backoff_s": run_at - reaped if reaped else None,
+            "claimed_after_kill_s": claimed - t_kill,
+            "claimed_after_due_s": claimed - max(run_at, reaped or run_at),
+        })
+
+    def worst(key: str) -> float | None:
+        vals = [j[key] for j in jobs if j[key] is not None]
+        return max(vals) if vals else None
+
+    problems = []
+    if len(jobs) != p["jobs"] or any(j["old_outcome"] != "lost" for j in jobs):
+        problems.append(f"expected {p['jobs']} lost attempts, saw "
+                        f"{[j['old_outcome'] for j in jobs]}")
+    if dup:
+        problems.append(f"{dup} attempts completed (none should)")
+    return {
+        "retry_base_ms": base_ms,
+        "lease_s": lease,
+        "reaper_interval_s": p["reaper_interval_s"],
+        "target_s": lease + p["reaper_interval_s"],
+        "all_running_after_kill_s": t_all - t_kill,
+        "last_claim_after_kill_s": worst("claimed_after_kill_s"),
+        "worst_lease_expired_after_kill_s": worst("lease_expired_after_kill_s"),
+        "worst_reaped_after_expiry_s": worst("reaped_after_expiry_s"),
+        "worst_backoff_s": worst("backoff_s"),
+        "worst_claimed_after_due_s": worst("claimed_after_due_s"),
+        "spare_worker_peak_rss_mb": rss,
+        "jobs": jobs,
+        "problems": problems,
+        "load_avg": _load(),
+    }
+
+
+def recovery_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str, Any]:
+    configs = []
+    for base_ms in p["retry_base_ms"]:
+        r = _recovery_once(ctx, peer, p, base_ms, f"recovery-{rep}-{base_ms}")
+        harness.log(
+            f"[recovery]   retry base {base_ms} ms: every job running again "
+            f"{r['all_running_after_kill_s']:.2f} s after SIGKILL (target {r['target_s']:.0f} s)"
+        )
+        configs.append(r)
+    return {
+        "configs": configs,
+        "problems": [x for c in configs for x in c["problems"]],
+        "handled": sum(len(c["jobs"]) for c in configs),
+        "load_avg": _load(),
+    }
+
+
+def recovery_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
+                     p: dict[str, Any]) -> list[str]:
+    rs = runs.get("fenceline", [])
+    if not rs:
+        return ["Recovery: fenceline was not measured (adapter not available)."]
+    headers = ["retry backoff", "all running again after kill s", "target (lease + reaper) s",
+               "met", "lease expiry after kill s", "reaped after expiry s", "backoff s",
+               "claimed after due s", "spare worker peak RSS MB", "load avg"]
+    rows = []
+    for r in rs:
+        for c in r["configs"]:
+            rows.append([
+                "exponential, base 1 s, jitter (default)" if c["retry_base_ms"] == 1000
+                else f"base {c['retry_base_ms']} ms",
+                fmt(c["all_running_after_kill_s"], 2),
+                fmt(c["target_s"], 0),
+                "yes" if c["all_running_after_kill_s"] <= c["target_s"] else "no",
+                fmt(c["worst_lease_expired_after_kill_s"], 2),
+                fmt(c["worst_reaped_after_expiry_s"], 2),
+                fmt(c["worst_backoff_s"], 2),
+                fmt(c["worst_claimed_after_due_s"], 2),
+                fmt(c["spare_worker_peak_rss_mb"], 0),
+                " ".join(str(x) for x in c["load_avg"]),
+            ])
+    return [
+        f"Recovery (fenceline only: no peer has a reaped lease to compare). {p['victims']} "
+        f"`fenceline run --roles=worker --concurrency {p['victim_concurrency']} --lease "
+        f"{p['lease_s']:g}` processes hold {p['jobs']} running `sleep` jobs and are SIGKILLed; "
+        "a standby worker (concurrency 16, started before the kill) and a scheduler "
+        f"(--roles=scheduler, reaper every {p['reaper_interval_s']:g} s, jittered to "
+        "[interval/2, interval]) were already running. Seconds from the kill until all jobs "
+        "run again on the standby; the other columns are the worst job's share, from the "
+        "database's timestamps (lease expiry = last heartbeat + lease).",
+        harness.table(headers, rows, right=set(range(1, len(headers) - 1))),
+    ]
+
+
+# ----------------------------------------------------------------------------- caps
+
+AUDIT_SQL = """
+create table bench_inflight_peak (peak integer not null);
+insert into bench_inflight_peak values (0);
+-- Its own settings: fl.claim runs with enable_seqscan off, which this tiny unindexed table
+-- would inherit, and the resulting 1e10 cost estimate would JIT-compile the UPDATE (65 ms).
+create function bench_inflight_audit() returns trigger language plpgsql
+set enable_seqscan = on set jit = off as $$
+begin
+    update bench_inflight_peak
+       set peak = greatest(peak, (select count(*) from fl.leases));
+    return null;
+end $$;
+create trigger bench_inflight_audit after insert on fl.leases
+    for each statement execute function bench_inflight_audit();
+"""
+
+
+def caps_params(smoke: bool) -> dict[str, Any]:
+    if smoke:
+        return {"claimers": [4], "cap": 2, "seconds": 1.5, "hold_ms": 10, "jobs": 2_000,
+                "repeat": 1}
+    # 128 claimers do not fit in this server's max_connections (100, shared with other
+    # people's test suites); 64 is the largest that leaves them room.
+    return {"claimers": [16, 64], "cap": 8, "seconds": 10.0, "hold_ms": 10, "jobs": 30_000,
+            "repeat": 1}
+
+
+def caps_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str, Any]:
+    results = []
+    problems: list[str] = []
+    for claimers in p["claimers"]:
+        for audit in (False, True):
+            db, url = fresh_peer_db(ctx, peer)
+            try:
+                with _connect(url) as conn:
+                    q = _queue(conn)
+                    conn.execute("update fl.queues set max_concurrency = %s where id = %s",
+                                 (p["cap"], q))
+                    conn.execute(
+                        "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
+                        (q, p["jobs"]))
+                    conn.execute("analyze")
+                    if audit:
+                        conn.execute(AUDIT_SQL)  # type: ignore[arg-type]
+                    busy = harness.wait_quiet(ctx.quiet_max_s)
+                    commit_ms = ctx.commit_ms()
+                    load0 = _load()
+                    proc = subprocess.run(
+                        [sys.executable, str(BENCH_DIR / "claimers.py"), "--dsn", url,
+                         "--queue", str(q), "--claimers", str(claimers), "--seconds",
+                         str(p["seconds"]), "--hold-ms", str(p["hold_ms"])],
+                        capture_output=True, text=True, timeout=p["seconds"] + 120,
+                        cwd=BENCH_DIR.parent, check=False,
+                    )
+                    if proc.returncode != 0:
+                        raise AdapterFailed(f"claimers exited {proc.returncode}: "
+                                            f"{proc.stderr.strip()[-500:]}")
+                    out = json.loads(proc.stdout.strip().splitlines()[-1])
+                    peak = conn.execute("select peak from bench_inflight_peak").fetchone()[0] \
+                        if audit else None  # type: ignore[index]
+                    leftover = conn.execute("select count(*) from fl.leases").fetchone()[0]  # type: ignore[index]
+            finally:
+                ctx.pg.drop_database(db)
+            out.update(audit=audit, cap=p["cap"], db_peak_in_flight=peak,
+                       leases_left=leftover, host_busy_before_cores=busy,
+                       commit_ms_before=commit_ms, load_avg_before=load0, load_avg=_load())
+            if peak is not None and peak > p["cap"]:
+                problems.append(f"{claimers} claimers: {peak} in flight > cap {p['cap']}")
+            if out["client_max_held"] > p["cap"]:
+                problems.append(f"{claimers} claimers: client saw {out['client_max_held']}"
+                                f" held > cap {p['cap']}")
+            harness.log(
+                f"[caps]   {claimers} claimers{' (audit)' if audit else ''}: "
+                f"{out['admissions_per_s']:.0f} admissions/s, claim p50 "
+                f"{out['claim_ms_p50']:.1f} ms, peak in flight {peak}, cap {p['cap']}"
+            )
+            results.append(out)
+    return {"results": results, "problems": problems, "handled": len(results),
+            "load_avg": _load()}
+
+
+def caps_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
+                 p: dict[str, Any]) -> list[str]:
+    rs = runs.get("fenceline", [])
+    if not rs:
+        return ["Caps: fenceline was not measured (adapter not available)."]
+    headers = ["claimers", "in-flight audit", "admissions/s", "refusals/s (cap_full)",
+               "claim p50 ms", "claim p99 ms", "peak in flight (DB)", "max held (client)",
+               "cap", "claimers' CPU s", "commit ms", "load avg"]
+    rows = []
+    for r in rs:
+        for o in r["results"]:
+            rows.append([
+                str(o["claimers"]),
+                "on" if o["audit"] else "off",
+                fmt(o["admissions_per_s"]),
+                fmt(o["refusals"].get("cap_full", 0) / o["seconds"]),
+                fmt(o["claim_ms_p50"], 1),
+                fmt(o["claim_ms_p99"], 1),
+                fmt(o["db_peak_in_flight"]) if o["audit"] else "-",
+                str(o["client_max_held"]),
+                str(o["cap"]),
+                fmt(o["client_cpu_s"], 1),
+                fmt(o["commit_ms_before"], 2),
+                " ".join(str(x) for x in o["load_avg"]),
+            ])
+    return [
+        f"Caps under contention (fenceline only; shards: not applicable: single counter-free "
+        f"gate, one configuration). max_concurrency {p['cap']}; each claimer is one "
+        f"connection calling fl.claim(n=1), holding an admitted job {p['hold_ms']} ms, then "
+        f"fl.complete; on a refusal it retries after 1-3 ms. {p['seconds']:g} s per run. "
+        "'peak in flight (DB)' is exact: a bench-only statement trigger on fl.leases records "
+        "the largest lease count any claim saw before committing (the gate's lock is held "
+        "until then); runs with it on pay one extra UPDATE per claim, so admissions/s is "
+        "taken from the runs without it. 128 claimers: not measured (max_connections 100 on "
+        "this shared server).",
+        harness.table(headers, rows, right=set(range(0, len(headers) - 1)) - {1}),
+    ]
+
+
+register(Workload("claim-cost", "claim latency and blocks touched with 10k to 10M rows in "
+                  "fl.jobs, mostly terminal (fenceline only)", claim_cost_params,
+                  claim_cost_run, claim_cost_summary, only=FENCELINE_ONLY))
+register(Workload("recovery", "SIGKILL of 4 workers holding 16 jobs: seconds until all run "
+                  "again, against lease + reaper interval (fenceline only)", recovery_params,
+                  recovery_run, recovery_summary, only=FENCELINE_ONLY))
+register(Workload("caps", "max_concurrency under 16 and 64 concurrent claimers: "
+                  "admissions/s and peak in flight vs the cap (fenceline only)", caps_params,
+                  caps_run, caps_summary, only=FENCELINE_ONLY))
