@@ -42,8 +42,12 @@ def create_app(readiness: Readiness, settings: Settings | None = None) -> QuartT
         app.register_blueprint(resource.blueprint)
 
     @app.before_request
-    async def assign_request_id() -> None:
+    async def assign_request_id_and_read_body() -> None:
         g.request_id = request_id_of()
+        # Read the whole body before anything can answer (405, 400 on a path id...): a body
+        # left unread on a keep-alive connection stalls the next request on it (found by
+        # schemathesis; hypercorn 0.18 with h11). Bodies are capped, so this is bounded.
+        await request.get_data()
 
     @app.after_request
     async def echo_request_id(response: Response) -> Response:
