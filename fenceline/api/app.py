@@ -8,7 +8,18 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from fenceline.api import accounts, dead_letters, events, health, jobs, openapi, orgs, workers
+from fenceline.api import (
+    accounts,
+    dead_letters,
+    events,
+    health,
+    jobs,
+    openapi,
+    orgs,
+    policies,
+    projects,
+    workers,
+)
 from fenceline.api.endpoint import Resource, request_id_of
 from fenceline.api.passwords import Passwords
 from fenceline.api.problems import Problem, from_http_exception, problem_response
@@ -24,6 +35,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # Every resource module, in the order the OpenAPI document lists them.
 RESOURCES: list[Resource] = [
     accounts.resource,
+    projects.resource, policies.resource,
     orgs.resource,
     jobs.resource, dead_letters.resource, workers.resource,
     events.resource,
