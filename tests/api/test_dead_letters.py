@@ -237,3 +237,57 @@ async def test_bulk_replay_bad_input_roles_and_tenancy_change_nothing(api: Api,
     assert (await api.post("queues/42/dead-letters/replay", {}, token=member)).status == 400
     assert (await api.post(path, {})).status == 401
     assert await fingerprint(api) == before
+
+
+def test_two_bulk_replays_at_once_one_waits_and_is_refused(dsn: str) -> None:
+    """The pace gate holds under concurrency: the second call waits for the first's row lock,
+    then sees its time and is refused; only the first replays anything."""
+    import threading
+    import time
+
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as setup:
+        [org] = setup.execute("insert into fl.organizations (name) values ('o') returning id"
+                              ).fetchone() or ()
+        [project] = setup.execute("insert into fl.projects (org_id, name) values (%s, 'p')"
+                                  " returning id", (org,)).fetchone() or ()
+        [policy] = setup.execute("insert into fl.retry_policies (project_id, name)"
+                                 " values (%s, 'd') returning id", (project,)).fetchone() or ()
+        [queue] = setup.execute("insert into fl.queues (project_id, name, retry_policy_id)"
+                                " values (%s, 'q', %s) returning id", (project, policy)
+                                ).fetchone() or ()
+        [worker] = setup.execute("select fl.register_worker(array[%s]::uuid[], null, 'h', 1, 4)",
+                                 (queue,)).fetchone() or ()
+        for _ in range(2):
+            setup.execute("select fl.submit(%s, 't')", (queue,))
+        for job, fence in setup.execute(
+                "select job_id, fence from fl.claim(%s, %s, null, 2, '30 s'::interval)",
+                (queue, worker)).fetchall():
+            setup.execute("select fl.fail(%s, %s, %s, 'permanent')", (worker, job, fence))
+
+        call = "select outcome from fl.replay_dead_paced(%s, 1, 0, '1 second'::interval)"
+        first = psycopg.connect(dsn)
+        second = psycopg.connect(dsn, autocommit=True)
+        try:
+            assert first.execute(call, (queue,)).fetchall() == [("ok",)]
+            got: list[object] = []
+            thread = threading.Thread(
+                target=lambda: got.extend(second.execute(call, (queue,)).fetchall()))
+            thread.start()
+            for _ in range(500):      # until the second call waits on the first's row lock
+                if setup.execute("select count(*) from pg_locks where not granted"
+                                 ).fetchone() == (1,):
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError("the second call never waited")
+            assert got == []
+            first.commit()
+            thread.join(10)
+            assert got == [("rate_limited",)]
+        finally:
+            first.close()
+            second.close()
+        assert setup.execute("select count(*) from fl.jobs where status = 'queued'"
+                             ).fetchone() == (1,)
