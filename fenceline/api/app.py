@@ -18,6 +18,7 @@ from fenceline.api import (
     orgs,
     policies,
     projects,
+    queues,
     workers,
 )
 from fenceline.api.endpoint import Resource, request_id_of
@@ -35,6 +36,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # Every resource module, in the order the OpenAPI document lists them.
 RESOURCES: list[Resource] = [
     accounts.resource,
+    queues.resource,
     projects.resource, policies.resource,
     orgs.resource,
     jobs.resource, dead_letters.resource, workers.resource,
