@@ -324,14 +324,15 @@ def engine_problem(exc: EngineInputError) -> Problem:
 
 def database_problem(exc: psycopg.Error) -> Problem:
     """A database error no handler mapped: a clear 4xx where it is the client's, else 503."""
+    state = exc.sqlstate or ""
+    message = exc.diag.message_primary or type(exc).__name__
+    # First: psycopg classes our own SQLSTATE class FL as an OperationalError.
+    if state.startswith("FL"):
+        return engine_problem(EngineInputError(state, message))
     if isinstance(exc, PoolTimeout | psycopg.OperationalError | psycopg.errors.QueryCanceled):
         log.warning("database unavailable during a request: %s", exc)
         return Problem(503, "unavailable", "Unavailable", "the database is unavailable",
                        headers={"Retry-After": "1"})
-    state = exc.sqlstate or ""
-    message = exc.diag.message_primary or type(exc).__name__
-    if state.startswith("FL"):
-        return engine_problem(EngineInputError(state, message))
     if state == "23505":
         return Problem(409, "conflict", "Conflict", "that name or key is already in use")
     if state.startswith("23"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from tests.api.conftest import PASSWORD, Api
 
 
@@ -101,3 +103,17 @@ async def test_unknown_path_and_wrong_method_are_problems(api: Api) -> None:
     assert missing.status == 404 and missing.code == "not_found"
     wrong = await api.call("DELETE", "auth/login")
     assert wrong.status == 405 and wrong.code == "method_not_allowed"
+
+
+
+async def test_engine_input_errors_are_400_not_503(api: Api) -> None:
+    """psycopg raises SQLSTATE class FL as an OperationalError; it must not read as an outage."""
+    import psycopg
+
+    from fenceline.api.endpoint import database_problem
+
+    with pytest.raises(psycopg.OperationalError) as caught:
+        await api.sql("select fl._bad_input('FL005', 'n must be between 1 and 1000')")
+    problem = database_problem(caught.value)
+    assert (problem.status, problem.code) == (400, "invalid_input")
+    assert problem.detail == "n must be between 1 and 1000"
