@@ -10,6 +10,8 @@ from werkzeug.exceptions import HTTPException
 
 from fenceline.api import (
     accounts,
+    api_keys,
+    audit,
     dead_letters,
     events,
     health,
@@ -36,9 +38,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # Every resource module, in the order the OpenAPI document lists them.
 RESOURCES: list[Resource] = [
     accounts.resource,
-    queues.resource,
-    projects.resource, policies.resource,
-    orgs.resource,
+    orgs.resource, projects.resource, policies.resource, queues.resource, api_keys.resource,
+    audit.resource,
     jobs.resource, dead_letters.resource, workers.resource,
     events.resource,
 ]
