@@ -21,6 +21,7 @@ from fenceline.api import (
     policies,
     projects,
     queues,
+    submission,
     workers,
 )
 from fenceline.api.endpoint import Resource, request_id_of
@@ -38,6 +39,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # Every resource module, in the order the OpenAPI document lists them.
 RESOURCES: list[Resource] = [
     accounts.resource,
+    submission.resource,
     orgs.resource, projects.resource, policies.resource, queues.resource, api_keys.resource,
     audit.resource,
     jobs.resource, dead_letters.resource, workers.resource,
