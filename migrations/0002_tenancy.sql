@@ -93,6 +93,11 @@ create table fl.queues (
     breaker_min_volume     integer not null default 20,
     breaker_window_ms      integer not null default 60000,
     breaker_cooldown_ms    integer not null default 30000,
+    -- Priority aging, computed by fl.claim at claim time (nothing is rewritten): a queued
+    -- job's effective priority is priority + least(aging_max_boost, floor(ms since run_at /
+    -- aging_step_ms)). NULL step = aging off (the claim keeps its plain priority order).
+    aging_step_ms       integer,
+    aging_max_boost     integer not null default 10,
     created_at          timestamptz not null default fl.now(),
     unique (project_id, name),
     unique (project_id, id),   -- target of the composite FK from jobs
@@ -105,8 +110,19 @@ create table fl.queues (
     constraint queues_breaker check (
         breaker_failure_ratio > 0 and breaker_failure_ratio <= 1
         and breaker_min_volume >= 1
-        and breaker_window_ms > 0 and breaker_cooldown_ms > 0)
+        and breaker_window_ms > 0 and breaker_cooldown_ms > 0),
+    -- A step of at most a day; a boost of at most 1000 levels.
+    constraint queues_aging check (
+        (aging_step_ms is null or aging_step_ms between 1 and 86400000)
+        and aging_max_boost between 1 and 1000)
 );
+
+comment on column fl.queues.aging_step_ms is
+    'Priority aging: one level of boost per this many ms a queued job has waited since its '
+    'run_at (when it became due; a retry starts again at its new run_at). NULL = aging off.';
+comment on column fl.queues.aging_max_boost is
+    'Priority aging: the most levels a job can gain by waiting (effective priority = '
+    'priority + least(aging_max_boost, floor(ms waited / aging_step_ms))).';
 
 -- A policy in use cannot be deleted on its own, but deleting its project (which cascades to
 -- the policy, the queues and their jobs in an order of PostgreSQL's choosing) must work: the

@@ -443,10 +443,35 @@ begin
 end;
 $$;
 
+-- Priority aging (reference W16, done at claim time instead of by a sweep that rewrites
+-- stored priority): a job's effective priority is its priority plus one level per p_step_ms
+-- it has waited since run_at (when it became due), at most p_max_boost levels. NULL step =
+-- aging off: the priority itself. Nothing is written, so the claimable index never churns and
+-- a job that is retried starts waiting again from its new run_at. Inlined into the claim.
+create function fl.effective_priority(
+    p_priority   integer,
+    p_run_at     timestamptz,
+    p_now        timestamptz,
+    p_step_ms    integer,
+    p_max_boost  integer)
+returns bigint
+language sql immutable parallel safe as $$
+    select p_priority::bigint
+           + case when p_step_ms is null then 0
+                  else least(p_max_boost,
+                             div(greatest(extract(epoch from p_now - p_run_at), 0) * 1000,
+                                 p_step_ms))::bigint
+             end
+$$;
+
+comment on function fl.effective_priority(integer, timestamptz, timestamptz, integer, integer) is
+    'priority + least(max_boost, floor(ms waited since run_at / step_ms)); the priority when step_ms is NULL.';
+
 -- Claims up to p_n due jobs of p_queue whose type is in p_types (NULL = any) for p_worker:
 -- straight into 'running', fence + 1, one attempt charged, a lease of p_lease, an open ledger
--- row. Order: priority desc, run_at, id. Gates, in order: worker active, queue not paused,
--- concurrency cap, breaker, token bucket.
+-- row. Order: priority desc, run_at, id; on a queue with aging (aging_step_ms set), effective
+-- priority (fl.effective_priority) desc, run_at, id. Gates, in order: worker active, queue not
+-- paused, concurrency cap, breaker, token bucket.
 --
 -- Returns the claimed jobs with outcome 'ok', or exactly one row with job_id NULL whose
 -- outcome says why nothing was claimed and retry_at, when known, says when to try again:
@@ -481,6 +506,7 @@ declare
     v_probe boolean := false;
     v_types text[] := p_types;
     v_ids bigint[];
+    v_cand bigint[];
     v_count integer;
 begin
     if p_n is null or p_n not between 1 and 1000 then
@@ -493,7 +519,7 @@ begin
     end if;
 
     select qq.project_id, qq.paused, qq.max_concurrency, qq.rl_rate, qq.rl_burst,
-           qq.breaker_enabled
+           qq.breaker_enabled, qq.aging_step_ms, qq.aging_max_boost
       into q from fl.queues qq where qq.id = p_queue;
     if not found then
         perform fl._bad_input('FL001', format('queue %s does not exist', coalesce(p_queue::text, 'null')));
@@ -597,7 +623,50 @@ begin
     -- Pick the ids (array-of-ids form: with LIMIT inside array(), generic plans stay index
     -- scans). One type: one ordered index range. Several: the head of each type's range,
     -- merged, then locked in order with SKIP LOCKED.
-    if cardinality(v_types) = 1 then
+    --
+    -- Aging on: the index order (priority desc, run_at, id) is no longer the claim order, but
+    -- within one priority level it still is (older = more boost). So, per type, a skip scan
+    -- finds the distinct priority levels queued (each step one index probe: the highest
+    -- priority below the last), the head of each level is read as an ordered index range
+    -- (its first 2k by run_at, id, due ones only), and the heads are merged by effective
+    -- priority and locked in that order with SKIP LOCKED. Cost: types x levels probes plus
+    -- at most types x levels x 2k index entries, whatever the backlog.
+    if q.aging_step_ms is not null and cardinality(v_types) > 0 then
+        v_cand := array(
+            with recursive lv(tp, p) as (
+                select t.tp,
+                       (select x.priority from fl.jobs x
+                         where x.queue_id = p_queue and x.type = t.tp and x.status = 'queued'
+                         order by x.priority desc limit 1)
+                  from unnest(v_types) as t(tp)
+                union all
+                select lv.tp,
+                       (select x.priority from fl.jobs x
+                         where x.queue_id = p_queue and x.type = lv.tp and x.status = 'queued'
+                           and x.priority < lv.p
+                         order by x.priority desc limit 1)
+                  from lv where lv.p is not null
+            )
+            select c.id
+              from lv
+             cross join lateral (
+                   select x.id, x.priority, x.run_at from fl.jobs x
+                    where x.queue_id = p_queue and x.type = lv.tp and x.status = 'queued'
+                      and x.priority = lv.p and x.run_at <= v_now
+                    order by x.run_at, x.id
+                    limit v_k * 2) c
+             where lv.p is not null
+             order by fl.effective_priority(c.priority, c.run_at, v_now, q.aging_step_ms,
+                                            q.aging_max_boost) desc, c.run_at, c.id
+             limit v_k * 2);
+        v_ids := array(
+            select j.id from fl.jobs j
+             where j.id = any(v_cand) and j.status = 'queued' and j.run_at <= v_now
+             order by fl.effective_priority(j.priority, j.run_at, v_now, q.aging_step_ms,
+                                            q.aging_max_boost) desc, j.run_at, j.id
+             limit v_k
+               for update skip locked);
+    elsif cardinality(v_types) = 1 then
         v_ids := array(
             select j.id from fl.jobs j
              where j.queue_id = p_queue and j.type = v_types[1] and j.status = 'queued'
@@ -666,7 +735,8 @@ begin
     select 'ok'::text, u.id, u.fence, u.attempts, u.type, u.payload, u.priority,
            u.replay_generation, u.deadline_at, v_now + p_lease, null::timestamptz
       from u
-     order by u.priority desc, u.run_at, u.id;
+     order by fl.effective_priority(u.priority, u.run_at, v_now, q.aging_step_ms,
+                                    q.aging_max_boost) desc, u.run_at, u.id;
     get diagnostics v_count = row_count;
 
     if v_probe then
