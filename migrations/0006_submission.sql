@@ -86,8 +86,18 @@ create trigger jobs_deleted_edges after delete on fl.jobs
 -- waits for the first's row lock on the child, re-reads it, and takes it from 1 to 0: the
 -- child is queued exactly once. Replaying a dead parent later does not revive cancelled
 -- children (cancelled is terminal); their cancellation events say why.
+--
+-- Nested loops over index scans only: every access is by key (edges by parent, jobs by id),
+-- but the planner guesses a recursive walk's size badly and chose, per level, a sequential
+-- scan of jobs, then a hash of every scheduled job, then a merge join over the whole edge
+-- index (measured cancelling the head of a 1000-job chain: 2.6 s, 0.4 s, 0.5 s; with these
+-- settings 30-40 ms, the same as a fan-out of 999 children).
 create function fl.jobs_settle_dependents() returns trigger
-language plpgsql as $$
+language plpgsql
+set enable_seqscan = off
+set enable_hashjoin = off
+set enable_mergejoin = off
+as $$
 declare
     v_now timestamptz := fl.now();
     v_ids bigint[];
@@ -131,15 +141,15 @@ begin
         return null;
     end if;
 
-    -- dead_letter or cancelled
+    -- dead_letter or cancelled. The walk follows edges only (index-only scans of
+    -- job_dependencies_parent): every descendant of a job that never completed is waiting or
+    -- already cancelled, so nothing is missed by not checking states on the way, and joining
+    -- jobs at each level made the planner hash all scheduled jobs per level.
     v_ids := array(
         with recursive d(id) as (
             select e.child_id from fl.job_dependencies e where e.parent_id = new.id
             union
-            select e.child_id
-              from d
-              join fl.jobs w on w.id = d.id and w.status = 'scheduled' and w.pending_deps > 0
-              join fl.job_dependencies e on e.parent_id = d.id
+            select e.child_id from d join fl.job_dependencies e on e.parent_id = d.id
         )
         select j.id from d join fl.jobs j on j.id = d.id
          where j.status = 'scheduled' and j.pending_deps > 0
@@ -466,12 +476,15 @@ begin
 
     -- -- pending parents per job: existing ones not completed, plus every batch parent -----
     v_pending := array(
-        select (select count(*) from unnest(v_edge_child, v_edge_parent, v_edge_local)
+        select coalesce(c.n, 0)::integer
+          from generate_series(1, n) s(i)
+          left join (select ed.child, count(*) as n
+                       from unnest(v_edge_child, v_edge_parent, v_edge_local)
                             as ed(child, parent, loc)
-                  left join fl.jobs pj on pj.id = ed.parent
-                 where ed.child = s.i
-                   and (ed.loc is not null or pj.status <> 'completed'))::integer
-          from generate_series(1, n) s(i) order by s.i);
+                       left join fl.jobs pj on pj.id = ed.parent
+                      where ed.loc is not null or pj.status <> 'completed'
+                      group by ed.child) c on c.child = s.i
+         order by s.i);
     v_statuses := array(
         select (case when v_pending[s.i] > 0 or v_run_ats[s.i] > v_now then 'scheduled'
                      else 'queued' end)::fl.job_status
