@@ -77,12 +77,14 @@ FILL_BATCH = 1_000_000
 
 def claim_cost_params(smoke: bool) -> dict[str, Any]:
     if smoke:
-        return {"sizes": [10_000], "queued": 300, "claims": 100, "explains": 20, "repeat": 1}
+        return {"sizes": [10_000], "queued": 300, "claims": 100, "explains": 20, "vacuum": True,
+                "repeat": 1}
     return {
         "sizes": [10_000, 100_000, 1_000_000, 10_000_000],
         "queued": 2_000,
         "claims": 500,
         "explains": 100,
+        "vacuum": True,
         "repeat": 1,
     }
 
@@ -123,91 +125,141 @@ def _claim_and_complete(conn: psycopg.Connection[Any], q: Any, w: Any, n: int,
     return ms, info, len(rows)
 
 
+def _per_statement(conn: psycopg.Connection[Any], q: Any, w: Any, n: int) -> list[str]:
+    """One claim (and its completion) with auto_explain logging every nested statement's
+    plan and buffers to this client: where the blocks of a claim go, statement by statement.
+    Superuser only (LOAD); returns [] when that is refused."""
+    notices: list[str] = []
+
+    def keep(diag: psycopg.errors.Diagnostic) -> None:
+        if diag.message_primary:
+            notices.append(diag.message_primary)
+
+    try:
+        conn.execute("load 'auto_explain'")
+    except psycopg.Error:
+        return []
+    conn.add_notice_handler(keep)
+    try:
+        for setting in ("log_min_duration = 0", "log_nested_statements = on",
+                        "log_analyze = on", "log_buffers = on", "log_timing = off"):
+            conn.execute(f"set auto_explain.{setting}")  # type: ignore[arg-type]
+        conn.execute("set client_min_messages = log")
+        _claim_and_complete(conn, q, w, n, False)
+    finally:
+        conn.execute("reset client_min_messages")
+        conn.execute("set auto_explain.log_min_duration = -1")
+        conn.remove_notice_handler(keep)
+    out = []
+    for text in notices:
+        lines = text.splitlines()
+        query = next((ln[len("Query Text: "):].strip() for ln in lines
+                      if ln.startswith("Query Text: ")), "?")
+        buffers = next((ln.strip() for ln in lines if ln.strip().startswith("Buffers:")), "")
+        scans = sorted({ln.strip().split("  (")[0].lstrip("-> ") for ln in lines
+                        if " Scan " in ln or ln.strip().startswith("-> Bitmap")})
+        out.append(f"{query[:60]!r}: {buffers or 'no buffers'}; {', '.join(scans)[:200]}")
+    return out
+
+
 def claim_cost_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str, Any]:
     db, url = fresh_peer_db(ctx, peer)
     steps = []
     problems: list[str] = []
+    conn = _connect(url)
     try:
-        with _connect(url) as conn:
-            q = _queue(conn)
-            have = 0
-            for size in p["sizes"]:
-                t0 = time.monotonic()
-                conn.execute("alter table fl.jobs disable trigger all")
-                try:
-                    while have < size:
-                        hi = min(size, have + FILL_BATCH)
-                        conn.execute(FILL_SQL, {"lo": have + 1, "hi": hi, "q": q})
-                        have = hi
-                finally:
-                    conn.execute("alter table fl.jobs enable trigger all")
-                fill_s = time.monotonic() - t0
-                if not steps:
-                    # A standing backlog of queued jobs, submitted the normal way; each n
-                    # below adds what it will take, so the backlog is the same at every size.
-                    conn.execute(
-                        "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
-                        (q, p["queued"]),
-                    )
-                conn.execute("analyze fl.jobs")
-                if not ctx.smoke:
-                    ctx.pg.checkpoint()
-                busy = harness.wait_quiet(ctx.quiet_max_s)
-                w = conn.execute(
-                    "select fl.register_worker(array[%s]::uuid[], array['noop'], 'bench',"
-                    " pg_backend_pid(), 16, null)",
-                    (q,),
-                ).fetchone()[0]  # type: ignore[index]
-                step: dict[str, Any] = {
-                    "rows": size,
-                    "standing_backlog": p["queued"],
-                    "fill_s": round(fill_s, 1),
-                    "jobs_total_bytes": conn.execute(
-                        "select pg_total_relation_size('fl.jobs')").fetchone()[0],  # type: ignore[index]
-                    "jobs_heap_bytes": conn.execute(
-                        "select pg_relation_size('fl.jobs')").fetchone()[0],  # type: ignore[index]
-                    "host_busy_before_cores": busy,
-                    "commit_ms_before": ctx.commit_ms(),
-                    "load_avg": _load(),
-                }
-                for n in (1, 16):
-                    # What this n will take, on top of the standing backlog of `queued`.
-                    conn.execute(
-                        "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
-                        (q, (p["claims"] + p["explains"] + 5) * n),
-                    )
-                    # Warm the session (plan caches) with a few claims, not measured.
-                    for _ in range(5):
-                        _claim_and_complete(conn, q, w, n, False)
-                    lat = []
-                    handed = 0
-                    for _ in range(p["claims"]):
-                        ms, _, got = _claim_and_complete(conn, q, w, n, False)
-                        lat.append(ms)
-                        handed += got
-                    infos = [
-                        _claim_and_complete(conn, q, w, n, True)[1]
-                        for _ in range(p["explains"])
-                    ]
-                    if handed < p["claims"] * n:
-                        problems.append(f"{size} rows, n={n}: only {handed} jobs claimed")
-                    step[f"n{n}"] = {
-                        "claim_ms": harness.latency_stats(lat),
-                        "explain_exec_ms": spread(i["exec_ms"] for i in infos if i),
-                        "shared_hit": spread(i["shared_hit"] for i in infos if i),
-                        "shared_read": spread(i["shared_read"] for i in infos if i),
-                        "shared_dirtied": spread(i["shared_dirtied"] for i in infos if i),
-                    }
-                conn.execute("select fl.worker_heartbeat(%s, 'stopped')", (w,))
-                steps.append(step)
-                harness.log(
-                    f"[claim-cost]   {size:,} rows: n=1 p50 "
-                    f"{step['n1']['claim_ms']['p50']:.2f} ms, "
-                    f"{step['n1']['shared_hit'].get('median')} hit / "
-                    f"{step['n1']['shared_read'].get('median')} read blocks; n=16 p50 "
-                    f"{step['n16']['claim_ms']['p50']:.2f} ms (fill {fill_s:.0f} s)"
+        q = _queue(conn)
+        have = 0
+        for size in p["sizes"]:
+            t0 = time.monotonic()
+            conn.execute("alter table fl.jobs disable trigger all")
+            try:
+                while have < size:
+                    hi = min(size, have + FILL_BATCH)
+                    conn.execute(FILL_SQL, {"lo": have + 1, "hi": hi, "q": q})
+                    have = hi
+            finally:
+                conn.execute("alter table fl.jobs enable trigger all")
+            fill_s = time.monotonic() - t0
+            if not steps:
+                # A standing backlog of queued jobs, submitted the normal way; each n
+                # below adds what it will take, so the backlog is the same at every size.
+                conn.execute(
+                    "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
+                    (q, p["queued"]),
                 )
+            t1 = time.monotonic()
+            # autovacuum is off on the shared server this was written on; without a
+            # VACUUM the claimable index keeps a dead entry for every job claimed at the
+            # smaller sizes, and that, not the table's size, is what later claims pay
+            # for (seen in the first full run). VACUUM is what autovacuum would do here.
+            conn.execute("vacuum (analyze) fl.jobs" if p["vacuum"] else "analyze fl.jobs")
+            vacuum_s = time.monotonic() - t1
+            if not ctx.smoke:
+                ctx.pg.checkpoint()
+            busy = harness.wait_quiet(ctx.quiet_max_s)
+            # A new session per size, so no plan cached at a smaller size is reused.
+            conn.close()
+            conn = _connect(url)
+            w = conn.execute(
+                "select fl.register_worker(array[%s]::uuid[], array['noop'], 'bench',"
+                " pg_backend_pid(), 16, null)",
+                (q,),
+            ).fetchone()[0]  # type: ignore[index]
+            step: dict[str, Any] = {
+                "rows": size,
+                "standing_backlog": p["queued"],
+                "fill_s": round(fill_s, 1),
+                "vacuum_analyze_s": round(vacuum_s, 1),
+                "jobs_total_bytes": conn.execute(
+                    "select pg_total_relation_size('fl.jobs')").fetchone()[0],  # type: ignore[index]
+                "jobs_heap_bytes": conn.execute(
+                    "select pg_relation_size('fl.jobs')").fetchone()[0],  # type: ignore[index]
+                "host_busy_before_cores": busy,
+                "commit_ms_before": ctx.commit_ms(),
+                "load_avg": _load(),
+            }
+            for n in (1, 16):
+                # What this n will take, on top of the standing backlog of `queued`.
+                conn.execute(
+                    "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
+                    (q, (p["claims"] + p["explains"] + 5) * n),
+                )
+                # Warm the session (plan caches) with a few claims, not measured.
+                for _ in range(5):
+                    _claim_and_complete(conn, q, w, n, False)
+                lat = []
+                handed = 0
+                for _ in range(p["claims"]):
+                    ms, _, got = _claim_and_complete(conn, q, w, n, False)
+                    lat.append(ms)
+                    handed += got
+                infos = [
+                    _claim_and_complete(conn, q, w, n, True)[1]
+                    for _ in range(p["explains"])
+                ]
+                if handed < p["claims"] * n:
+                    problems.append(f"{size} rows, n={n}: only {handed} jobs claimed")
+                breakdown = _per_statement(conn, q, w, n)
+                step[f"n{n}"] = {
+                    "per_statement": breakdown,
+                    "claim_ms": harness.latency_stats(lat),
+                    "explain_exec_ms": spread(i["exec_ms"] for i in infos if i),
+                    "shared_hit": spread(i["shared_hit"] for i in infos if i),
+                    "shared_read": spread(i["shared_read"] for i in infos if i),
+                    "shared_dirtied": spread(i["shared_dirtied"] for i in infos if i),
+                }
+            conn.execute("select fl.worker_heartbeat(%s, 'stopped')", (w,))
+            steps.append(step)
+            harness.log(
+                f"[claim-cost]   {size:,} rows: n=1 p50 "
+                f"{step['n1']['claim_ms']['p50']:.2f} ms, "
+                f"{step['n1']['shared_hit'].get('median')} hit / "
+                f"{step['n1']['shared_read'].get('median')} read blocks; n=16 p50 "
+                f"{step['n16']['claim_ms']['p50']:.2f} ms (fill {fill_s:.0f} s)"
+            )
     finally:
+        conn.close()
         ctx.pg.drop_database(db)
     return {"steps": steps, "problems": problems, "handled": len(steps), "load_avg": _load()}
 
@@ -237,15 +289,27 @@ def claim_cost_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | No
                 fmt_spread(m["shared_read"]),
                 " ".join(str(x) for x in s["load_avg"]),
             ])
+    detail = []
+    for s in (steps[0], steps[-1]) if len(steps) > 1 else steps[:1]:
+        lines = s["n1"].get("per_statement") or []
+        # The claim's own statements come before its Function Scan line; the rest is the
+        # completion.
+        end = next((i for i, ln in enumerate(lines) if "fl.claim(" in ln), len(lines))
+        detail.append(f"One n=1 claim at {s['rows']:,} rows, statement by statement "
+                      "(auto_explain, nested statements):")
+        detail.extend(f"    {ln}" for ln in lines[: end + 1])
     return [
         "Claim cost against table size (fenceline only: the peers keep history in other "
         f"tables; see bench/engine_workloads.py). {p['queued']:,} queued jobs beside N "
         "terminal rows (98% completed, 1% dead_letter, 1% cancelled; a fixture inserted with "
-        "fl.jobs' triggers disabled, then re-enabled; ANALYZE, no VACUUM). One connection: "
+        "fl.jobs' triggers disabled, then re-enabled), then "
+        + ("VACUUM (ANALYZE) fl.jobs" if p.get("vacuum") else "ANALYZE only")
+        + ". A new connection per size: "
         f"{p['claims']} x (fl.claim n, then fl.complete) per n, client round trip of the "
         f"claim; then {p['explains']} claims under EXPLAIN (ANALYZE, BUFFERS) for the blocks "
         "touched by the whole call (median (min-max)).",
         harness.table(headers, rows, right=set(range(1, len(headers) - 1))),
+        *(["\n".join(detail)] if detail else []),
     ]
 
 
