@@ -74,7 +74,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_break(dsn: str,
              f"http://127.0.0.1:{port}/api/v1/openapi.json",
              "--checks", CHECKS, "--max-examples", str(EXAMPLES), "--seed", str(SEED),
              "--phases", "examples,coverage,fuzzing", "--generation-database", "none",
-             "--workers", "2", "--no-color", "--request-timeout", "10",
+             "--workers", "1", "--no-color", "--request-timeout", "10",
              "--exclude-path", "/api/v1/auth/logout",   # would revoke the fuzzer's own token
              "-H", f"Authorization: Bearer {token}"],
             capture_output=True, text=True, timeout=900, cwd=tmp_path)
