@@ -21,6 +21,7 @@ from fenceline.api import (
     policies,
     projects,
     queues,
+    stream,
     submission,
     workers,
 )
@@ -59,6 +60,7 @@ def create_app(readiness: Readiness, settings: Settings | None = None) -> QuartT
     app.register_blueprint(openapi.blueprint)
     for resource in RESOURCES:
         app.register_blueprint(resource.blueprint)
+    stream.install(app)
 
     @app.before_request
     async def assign_request_id_and_read_body() -> None:
