@@ -1,0 +1,115 @@
+"""Where fenceline's idle submit-to-start latency goes (a profiling aid, not a workload).
+
+A fresh database migrated by the fenceline adapter (pinned to HEAD's migrations like the
+harness), the adapter's worker (`work`, concurrency 16) running, then one job every
+--interval seconds. For each job:
+
+- submit: fl.submit round trip, commit (WAL flush) included;
+- notify: when a LISTEN connection of this script sees the queue's notification;
+- start: when the worker's handler began (its start record).
+
+all measured from the submit timestamp. start - notify is the worker's own share: its
+listener hand-off, the claim round trip and starting the handler task.
+
+    .venv/bin/python bench/idle_breakdown.py [--dsn URL] [--jobs 40] [--interval 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR.parent))
+
+from bench import harness  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dsn", default=os.environ.get("BENCH_DSN", harness.DEFAULT_DSN))
+    ap.add_argument("--jobs", type=int, default=40)
+    ap.add_argument("--interval", type=float, default=0.5)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="fenceline-idle-"))
+    commit = harness.pin_fenceline_migrations(work)
+    pg = harness.Postgres(args.dsn)
+    db = f"bench_idle_breakdown_{os.getpid()}"
+    pg.fresh_database(db)
+    url = harness.url_for(args.dsn, db)
+    adapter = [sys.executable, str(BENCH_DIR / "adapters" / "fenceline_worker.py")]
+    worker = None
+    try:
+        subprocess.run([*adapter, "setup", "--dsn", url], check=True, capture_output=True)
+        records = work / "records.json"
+        worker = subprocess.Popen([*adapter, "work", "--dsn", url, "--records", str(records)],
+                                  stdout=subprocess.PIPE, text=True)
+        assert worker.stdout is not None
+        while not worker.stdout.readline().startswith("ready"):
+            pass
+        listen = psycopg.connect(url, autocommit=True)
+        listen.execute("listen fl_queue")
+        seen: list[float] = []
+
+        def listener() -> None:
+            try:
+                for _ in listen.notifies():
+                    seen.append(time.time())
+            except psycopg.Error:
+                return  # the database is dropped at the end
+
+        t = threading.Thread(target=listener, daemon=True)
+        t.start()
+        sub = psycopg.connect(url, autocommit=True)
+        q = sub.execute("select id from fl.queues where name = 'bench'").fetchone()[0]  # type: ignore[index]
+        time.sleep(1.0)
+        sent: list[tuple[float, float]] = []
+        for _ in range(args.jobs):
+            t0 = time.time()
+            sub.execute("select fl.submit(%s, 'noop', jsonb_build_object('ts', %s::float8))",
+                        (q, t0))
+            sent.append((t0, time.time()))
+            time.sleep(args.interval)
+        time.sleep(0.5)
+        worker.terminate()
+        worker.wait(timeout=60)
+        starts = sorted(json.loads(records.read_text()), key=lambda r: r[1])
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+        pg.drop_database(db)
+        pg.close()
+
+    def stats(vals: list[float]) -> dict[str, Any]:
+        return {"p50": round(statistics.median(vals), 2), "max": round(max(vals), 2)}
+
+    submit = [(b - a) * 1000 for a, b in sent]
+    # fl.complete notifies the queue too: take the first notification after each submit.
+    notify = [(min((n for n in seen if n >= a), default=float("nan")) - a) * 1000
+              for a, _ in sent]
+    start = [(r[2] - r[1]) * 1000 for r in starts]
+    worker_share = [s - n for s, n in zip(start, notify, strict=False)]
+    print(json.dumps({
+        "schema": commit,
+        "jobs": len(starts),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "submit_rtt_ms": stats(submit),
+        "notify_seen_ms": stats(notify),
+        "handler_start_ms": stats(start),
+        "worker_share_ms": stats(worker_share),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
