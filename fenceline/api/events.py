@@ -119,6 +119,9 @@ _COLUMNS = ("id", "topic", "queue_id", "job_id", "payload", "created_at")
 class Page:
     events: list[dict[str, Any]]
     next: Position
+    # Committed events after ``next`` wait for an older transaction to end: ask again soon
+    # (no notification will say when). Always False for a full page (ask again at once).
+    pending: bool = False
 
 
 async def tail(conn: psycopg.AsyncConnection[Any]) -> Position:
@@ -163,7 +166,15 @@ async def read(conn: psycopg.AsyncConnection[Any], project_id: uuid.UUID, after:
         raise CursorTooOld(oldest)
     events = [dict(zip(_COLUMNS, row[:6], strict=True)) for row in rows]
     end = Position(int(rows[-1][6]), rows[-1][0]) if rows else after
-    return Page(events, end)
+    pending = False
+    if len(rows) < limit:
+        cur = await conn.execute(
+            "select exists (select from fl.events e where e.project_id = %s"
+            "                  and (e.txid, e.id) > (%s::xid8, %s))",
+            (project_id, str(end.txid), end.id))
+        row = await cur.fetchone()
+        pending = bool(row and row[0])
+    return Page(events, end, pending)
 
 
 async def start(conn: psycopg.AsyncConnection[Any], project_id: uuid.UUID,

@@ -46,6 +46,9 @@ to 1,000 events. A cycle runs every second, and sooner on a wake-up: while at le
 stream is open the process holds one LISTEN connection (fenceline/db/listener.py) on
 ``fl_queue``, which every state change notifies at commit; any notification wakes every
 stream (at most one cycle per stream per 50 ms). A lost notification costs at most a second.
+An event is readable only once every older writing transaction has ended (events.py); when a
+cycle finds committed events still waiting behind one, it looks again after 50 ms, 100 ms,
+... up to the poll interval, since that transaction's end may notify nothing.
 """
 
 from __future__ import annotations
@@ -111,6 +114,11 @@ class Hub:
     def pulse(self) -> trio.Event:
         """Set at the next wake-up; take it before reading so no wake-up falls in between."""
         return self._pulse
+
+    @property
+    def listening(self) -> bool:
+        """Whether the LISTEN connection is held (only while streams are open)."""
+        return self._listening is not None
 
     def wake(self) -> None:
         self._pulse.set()
@@ -356,6 +364,7 @@ async def _pump(ws: Any, stream: Stream) -> None:
     position = stream.start
     await _send(ws, stream, {"type": "ready", "cursor": position.encode()})
     last_frame = trio.current_time()
+    retry = timing.min_gap
     while True:
         pulse = stream.hub.pulse
         began = trio.current_time()
@@ -370,7 +379,15 @@ async def _pump(ws: Any, stream: Stream) -> None:
         elif trio.current_time() - last_frame >= timing.heartbeat:
             await _send(ws, stream, {"type": "ping"})
             last_frame = trio.current_time()
-        with trio.move_on_at(min(began + timing.poll, last_frame + timing.heartbeat)):
+        if page.pending:
+            # Committed events wait behind an older transaction, whose end may notify
+            # nothing (it may not even be in this database): look again soon, backing off.
+            wake_at = began + retry
+            retry = min(retry * 2, timing.poll)
+        else:
+            wake_at = began + timing.poll
+            retry = timing.min_gap
+        with trio.move_on_at(min(wake_at, last_frame + timing.heartbeat)):
             await pulse.wait()
         await trio.sleep(max(0.0, began + timing.min_gap - trio.current_time()))
 

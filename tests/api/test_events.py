@@ -8,6 +8,7 @@ from typing import Any
 
 import trio
 
+from fenceline.api import events
 from fenceline.api.events import Position, decode
 from fenceline.db.connection import connect
 from tests.api.conftest import Api, Tenant
@@ -150,9 +151,14 @@ async def test_a_late_commit_is_never_skipped(api: Api, tenant: Tenant, dsn: str
         for _ in range(3):
             items, after = await read_all(api, tenant.project_id, token, cursor)
             assert items == [] and after == cursor
+        # ...and a reader can tell that something committed is waiting (the stream then
+        # looks again soon rather than at the next poll).
+        page = await events.read(api.conn, tenant.project_id, decode(cursor), 100)
+        assert page.events == [] and page.pending
         await conn_a.execute("commit")
-    items, _ = await wait_for(api, tenant.project_id, token, cursor, 2)
+    items, last = await wait_for(api, tenant.project_id, token, cursor, 2)
     assert [(e["id"], e["job_id"]) for e in items] == [(id_a, job_a), (id_b, job_b)]
+    assert not (await events.read(api.conn, tenant.project_id, decode(last), 100)).pending
 
 
 async def test_bad_query_is_refused(api: Api, tenant: Tenant) -> None:

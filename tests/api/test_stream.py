@@ -353,3 +353,22 @@ async def test_a_cursor_behind_retention_is_refused_with_the_oldest(
     assert body["oldest"] == Position(int(txid), event_id).encode()
     async with open_websocket_url(server.url(tenant.project_id), subprotocols=viewer) as ws:
         assert (await frame(ws)) == {"type": "ready", "cursor": body["oldest"]}
+
+
+async def test_notifications_wake_streams_while_any_is_open(api: Api, tenant: Tenant,
+                                                          server: Server) -> None:
+    hub = server.hub
+    assert not hub.listening
+    async with open_websocket_url(server.url(tenant.project_id, "tail"),
+                                  subprotocols=protocols(tenant.tokens["viewer"])) as ws:
+        await frame(ws)
+        assert hub.listening
+        woken = False
+        with trio.fail_after(WAIT):       # until the LISTEN is in place, a notify is lost
+            while not woken:
+                pulse = hub.pulse
+                await api.sql("select pg_notify('fl_queue', 'x')")
+                with trio.move_on_after(0.2):
+                    await pulse.wait()
+                woken = pulse.is_set()
+    await until(lambda: not hub.listening)     # the last stream gone, the connection goes
