@@ -37,8 +37,11 @@ header. No ``Origin`` (not a browser) is allowed; the token is the protection th
 **Close codes**: 4001 the session or key was revoked or expired; 4003 the caller may no
 longer read the project (membership removed or role lowered); 4010 cursor too old; 1008 the
 client sent a data message (the stream takes none); 1011 the database is unavailable
-(reconnect with the last ``next``); 1001 the server is shutting down. A client that does not
-read for 10 s (one frame write times out) is disconnected without a close frame.
+(reconnect with the last ``next``). A frame write that takes
+longer than 10 s ends the stream without a close frame. Limitation: hypercorn shields its
+socket writes from cancellation (hypercorn/trio/tcp_server.py), so a client that stops
+reading entirely is only dropped once it reads again or TCP gives up; until then it keeps its
+task and its stream slot, which the per-user cap bounds to four.
 
 **Delivery**: the stream reads, in one transaction per cycle, the caller's session and role
 (so a logout or a removed membership ends the stream within one cycle, reference W12) and up
@@ -91,7 +94,6 @@ CLOSE_FORBIDDEN = 4003
 CLOSE_CURSOR_TOO_OLD = 4010
 CLOSE_POLICY = 1008
 CLOSE_UNAVAILABLE = 1011
-CLOSE_GOING_AWAY = 1001
 
 
 @dataclass

@@ -372,3 +372,31 @@ async def test_notifications_wake_streams_while_any_is_open(api: Api, tenant: Te
                     await pulse.wait()
                 woken = pulse.is_set()
     await until(lambda: not hub.listening)     # the last stream gone, the connection goes
+
+
+async def add_events(api: Api, tenant: Tenant, count: int, payload_bytes: int = 10) -> None:
+    """``count`` events in one transaction (one txid), as a hot path's burst would be."""
+    await api.sql("insert into fl.events (project_id, queue_id, topic, payload)"
+                  " select %s, %s, 'test.burst', jsonb_build_object('n', n, 'pad', repeat('x', %s))"
+                  "   from generate_series(1, %s) n",
+                  tenant.project_id, tenant.queue_id, payload_bytes, count)
+
+
+async def test_a_long_replay_comes_in_frames_of_at_most_1000(api: Api, tenant: Tenant,
+                                                            server: Server) -> None:
+    await add_events(api, tenant, 2345)
+    async with open_websocket_url(server.url(tenant.project_id),
+                                  subprotocols=protocols(tenant.tokens["viewer"]),
+                                  max_message_size=4 * 1024 * 1024) as ws:
+        prev = (await frame(ws))["cursor"]
+        sizes = []
+        got: list[Any] = []
+        while len(got) < 2345:
+            batch = await frame(ws)
+            assert batch["type"] == "batch" and batch["prev"] == prev
+            sizes.append(len(batch["events"]))
+            got += batch["events"]
+            prev = batch["next"]
+    assert sizes == [1000, 1000, 345]
+    assert [e["payload"]["n"] for e in got] == list(range(1, 2346))
+
