@@ -400,3 +400,17 @@ async def test_a_long_replay_comes_in_frames_of_at_most_1000(api: Api, tenant: T
     assert sizes == [1000, 1000, 345]
     assert [e["payload"]["n"] for e in got] == list(range(1, 2346))
 
+
+
+async def test_retention_overtaking_an_open_stream_ends_it(api: Api, tenant: Tenant,
+                                                           server: Server) -> None:
+    async with open_websocket_url(server.url(tenant.project_id, "tail"),
+                                  subprotocols=protocols(tenant.tokens["viewer"])) as ws:
+        await frame(ws)
+        # A retention pass records a drop beyond where this stream stands.
+        far = Position(2**40, 7)
+        await api.sql("insert into fl.events_retention (project_id, txid, id)"
+                      " values (%s, %s::xid8, %s)", tenant.project_id, str(far.txid), far.id)
+        assert await frame(ws) == {"type": "cursor_too_old", "oldest": far.encode()}
+        code, _, _ = await closed(ws)
+    assert code == 4010
