@@ -280,7 +280,7 @@ def burndown_summary(
     }
     base = stats.get(baseline or "", {}).get("jobs_per_s", {})
     headers = ["peer", BURNDOWN_COLUMNS[0][1], f"x {baseline or '-'}", "slowest/fastest"]
-    headers += [h for _, h, _ in BURNDOWN_COLUMNS[1:]] + ["runs"]
+    headers += [h for _, h, _ in BURNDOWN_COLUMNS[1:]] + ["load 1m", "runs"]
     rows = []
     for peer, s in stats.items():
         tp = s["jobs_per_s"]
@@ -291,6 +291,7 @@ def burndown_summary(
                 ratio(tp.get("median"), base.get("median")),
                 ratio(tp.get("min"), base.get("max")),
                 *(fmt_spread(s[k], d) for k, _, d in BURNDOWN_COLUMNS[1:]),
+                load_1m(runs[peer]),
                 str(tp.get("n", 0)),
             ]
         )
@@ -380,7 +381,7 @@ def latency_summary(
     ratio_cols = (cols[0], cols[-1])
     base = stats.get(baseline or "", {})
     headers = ["peer", "jobs", "submitted/s"] + [f"{c} ms" for c in (*cols, "max")]
-    headers += [f"{c} x {baseline or '-'}" for c in ratio_cols] + ["commit ms", "runs"]
+    headers += [f"{c} x {baseline or '-'}" for c in ratio_cols] + ["commit ms", "load 1m", "runs"]
     rows = []
     for peer, s in stats.items():
         rs = runs[peer]
@@ -392,10 +393,16 @@ def latency_summary(
                 *(fmt_spread(s[c], 1) for c in (*cols, "max")),
                 *(ratio(s[c].get("median"), base.get(c, {}).get("median")) for c in ratio_cols),
                 fmt_spread(spread(r.get("commit_ms_before") for r in rs), 2),
+                load_1m(rs),
                 str(len(rs)),
             ]
         )
     return [title, harness.table(headers, rows, right=set(range(1, len(headers))))]
+
+
+def load_1m(rs: list[dict[str, Any]]) -> str:
+    """The 1-minute load average as each run began (min-max over runs)."""
+    return fmt_spread(spread((r.get("load_avg_before") or [None])[0] for r in rs), 2)
 
 
 def steady_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str, Any]:
