@@ -18,8 +18,9 @@ offer ``fl.v1`` too, and ``fl.v1`` is the one accepted; ``new WebSocket(url, ["f
 ``subprotocol_required`` (a browser would otherwise fail the handshake with no reason given).
 
 **Origin**: a request with an ``Origin`` header must match ``API_ALLOWED_ORIGINS`` (``*``
-matches anything but ``/``), or, when that is empty, its host must equal the ``Host``
-header. No ``Origin`` (not a browser) is allowed; the token is the protection there.
+matches anything but ``/``), or, when that is empty, its host and port must equal the
+``Host`` header (the scheme is not compared: TLS may end at a proxy). No ``Origin`` (not a
+browser) is allowed; the token is the protection there.
 
 **Frames** (JSON text, server to client):
 
@@ -37,11 +38,11 @@ header. No ``Origin`` (not a browser) is allowed; the token is the protection th
 **Close codes**: 4001 the session or key was revoked or expired; 4003 the caller may no
 longer read the project (membership removed or role lowered); 4010 cursor too old; 1008 the
 client sent a data message (the stream takes none); 1011 the database is unavailable
-(reconnect with the last ``next``). A frame write that takes
-longer than 10 s ends the stream without a close frame. Limitation: hypercorn shields its
-socket writes from cancellation (hypercorn/trio/tcp_server.py), so a client that stops
-reading entirely is only dropped once it reads again or TCP gives up; until then it keeps its
-task and its stream slot, which the per-user cap bounds to four.
+(reconnect with the last ``next``). A frame write that takes longer than 10 s ends the stream
+without a close frame. Limitation: hypercorn shields its socket writes from cancellation
+(hypercorn/trio/tcp_server.py), so a client that stops reading entirely is only dropped once
+it reads again or TCP gives up; until then it keeps its task and its stream slot, which the
+per-user cap bounds to four.
 
 **Delivery**: the stream reads, in one transaction per cycle, the caller's session and role
 (so a logout or a removed membership ends the stream within one cycle, reference W12) and up
