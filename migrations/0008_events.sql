@@ -14,3 +14,17 @@ create table fl.events_retention (
     id          bigint not null check (id >= 0),
     updated_at  timestamptz not null default fl.now()
 );
+
+-- The outbox has no foreign key (an FK check on every event insert of the hot paths is not
+-- worth it), so a deleted project's events are removed here; an organization's deletion
+-- cascades to its projects and so fires this too. events_stream leads with project_id.
+create function fl.projects_deleted() returns trigger
+language plpgsql as $$
+begin
+    delete from fl.events where project_id = old.id;
+    return null;
+end;
+$$;
+
+create trigger projects_deleted after delete on fl.projects
+    for each row execute function fl.projects_deleted();

@@ -185,6 +185,7 @@ async def remaining(api: Api, project: uuid.UUID | None, queue: uuid.UUID | None
         "leases": ("select count(*) from fl.leases where queue_id = %s", queue),
         "attempts": ("select count(*) from fl.attempts where job_id = any(%s)", jobs),
         "attempt_logs": ("select count(*) from fl.attempt_logs where job_id = any(%s)", jobs),
+        "events": ("select count(*) from fl.events where project_id = %s", project),
     }
     out = {}
     for table, (query, value) in queries.items():
