@@ -117,3 +117,18 @@ async def test_engine_input_errors_are_400_not_503(api: Api) -> None:
     problem = database_problem(caught.value)
     assert (problem.status, problem.code) == (400, "invalid_input")
     assert problem.detail == "n must be between 1 and 1000"
+
+
+async def test_login_upgrades_a_hash_made_with_other_parameters(api: Api) -> None:
+    from argon2 import PasswordHasher
+
+    old = PasswordHasher(time_cost=2, memory_cost=16, parallelism=1, hash_len=16,
+                         salt_len=8).hash(PASSWORD)
+    await api.sql("insert into fl.users (email, password_hash) values ('old@example.com', %s)",
+                  old)
+    login = await api.post("auth/login", {"email": "old@example.com", "password": PASSWORD})
+    assert login.status == 200
+    [(stored,)] = await api.sql("select password_hash from fl.users")
+    assert stored != old and stored.startswith("$argon2id$v=19$m=8,t=1,p=1$")
+    again = await api.post("auth/login", {"email": "old@example.com", "password": PASSWORD})
+    assert again.status == 200
