@@ -1,13 +1,13 @@
-"""Workloads that measure fenceline alone: claim cost against table size, recovery after
-SIGKILL, and the concurrency cap under contention.
+"""Workloads beyond the peer comparison: claim cost against table size (fenceline and
+procrastinate), recovery after SIGKILL and the concurrency cap under contention (fenceline
+alone).
 
-Why fenceline only (printed with each table, and in docs/BENCHMARKS.md):
+Which peers, and why (printed with each table, and in docs/BENCHMARKS.md):
 
-- claim-cost: pgqueuer moves finished jobs out of its queue table (into pgqueuer_log), so
-  its claim never sees history: no equivalent. procrastinate keeps finished jobs in
-  procrastinate_jobs, so it has one, but measuring it needs two adapter commands (a fixture
-  of N finished rows, and timed fetch/finish calls) that were not written in this round:
-  not measured, which is a gap, not a verdict.
+- claim-cost (fenceline and procrastinate): pgqueuer moves finished jobs out of its queue
+  table (into pgqueuer_log), so its claim never sees history: no equivalent. procrastinate
+  keeps finished jobs in procrastinate_jobs and is measured through its own fetch and finish
+  SQL functions, the ones its worker calls.
 - recovery: pgqueuer retries a job whose heartbeat is older than its retry timer, and
   procrastinate leaves stalled jobs to user code (`JobManager.get_stalled_jobs`); neither has
   an equivalent of a lease reaped by a separate scheduler, so there is nothing to compare.
@@ -16,7 +16,7 @@ Why fenceline only (printed with each table, and in docs/BENCHMARKS.md):
   counter-free gate" and one configuration is measured. procrastinate has no concurrency cap;
   pgqueuer's per-entrypoint `concurrency_limit` is not compared here.
 
-Every run gets a fresh database migrated by the fenceline adapter's `setup`.
+Every run gets a fresh database set up by the peer's adapter (`setup`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +59,12 @@ def _load() -> list[float]:
 
 # ----------------------------------------------------------------------------- claim cost
 
-# Terminal rows are a bench fixture inserted directly, with every trigger of fl.jobs disabled
-# for the insert (jobs_birth refuses a job born terminal; the FK triggers would check one
-# queue row per job) and enabled again before anything is measured. The rows satisfy every
-# CHECK constraint of fl.jobs (finished_at set exactly when terminal, no deadline).
-FILL_SQL = """
+# Terminal rows are a bench fixture inserted directly, with every trigger of the jobs table
+# disabled for the insert and enabled again before anything is measured. fenceline: its
+# jobs_birth trigger refuses a job born terminal and the FK triggers would check one queue row
+# per job; the rows satisfy every CHECK constraint of fl.jobs (finished_at set exactly when
+# terminal, no deadline). procrastinate: its triggers would write an event row per job.
+FL_FILL_SQL = """
 insert into fl.jobs (project_id, queue_id, type, payload, status, priority, run_at, fence,
                      attempts, timeout_ms, retry_policy_id, created_at, claimed_at, finished_at)
 select q.project_id, q.id, 'noop', '{"ts": 0}',
@@ -71,9 +74,77 @@ select q.project_id, q.id, 'noop', '{"ts": 0}',
   from fl.queues q,
        generate_series(%(lo)s::bigint, %(hi)s::bigint) g,
        lateral (select now() - interval '30 days' + g * interval '1 ms' as t) x
- where q.id = %(q)s
+ where q.name = 'bench'
+"""
+PROC_FILL_SQL = """
+insert into procrastinate_jobs (queue_name, task_name, priority, args, status, attempts)
+select 'default', 'bench_noop', 0, '{"ts": 0}',
+       (case when g %% 50 = 0 then 'failed' when g %% 100 = 1 then 'cancelled'
+             else 'succeeded' end)::procrastinate_job_status, 1
+  from generate_series(%(lo)s::bigint, %(hi)s::bigint) g
 """
 FILL_BATCH = 1_000_000
+
+
+@dataclass(frozen=True)
+class ClaimOps:
+    """How claim-cost drives one peer's own claim ("fetch") and completion SQL."""
+
+    table: str
+    claimable_index: str
+    fill_sql: str
+    ns: tuple[int, ...]  # claim sizes the peer's claim call takes
+    register_sql: str
+    queue_sql: str  # the queue the claims name (q)
+    claim_sql: str  # params q, w, n; rows (id, token) of the jobs handed over
+    held_sql: str  # param w: what the worker holds after an EXPLAINed claim
+    complete: Callable[[psycopg.Connection[Any], Any, list[tuple[Any, Any]]], None]
+    note: str
+
+
+def _fl_complete(conn: psycopg.Connection[Any], w: Any, rows: list[tuple[Any, Any]]) -> None:
+    conn.execute("select * from fl.complete(%s, %s, %s, %s::jsonb[])",
+                 (w, [r[0] for r in rows], [r[1] for r in rows], [None] * len(rows)))
+
+
+def _proc_complete(conn: psycopg.Connection[Any], w: Any,
+                   rows: list[tuple[Any, Any]]) -> None:
+    for job_id, _ in rows:
+        conn.execute("select procrastinate_finish_job_v1(%s, 'succeeded', false)", (job_id,))
+
+
+CLAIM_OPS: dict[str, ClaimOps] = {
+    "fenceline": ClaimOps(
+        table="fl.jobs",
+        claimable_index="fl.jobs_claimable",
+        fill_sql=FL_FILL_SQL,
+        ns=(1, 16),
+        register_sql="select fl.register_worker(array[(select id from fl.queues where name ="
+        " 'bench')], array['noop'], 'bench', pg_backend_pid(), 16, null)",
+        queue_sql="select id from fl.queues where name = 'bench'",
+        claim_sql="select job_id, fence from fl.claim(%(q)s, %(w)s, array['noop'], %(n)s,"
+        " interval '30 seconds') where outcome = 'ok'",
+        held_sql="select job_id, fence from fl.leases where worker_id = %(w)s",
+        complete=_fl_complete,
+        note="fl.claim(queue, worker, {noop}, n, 30 s), then fl.complete",
+    ),
+    "procrastinate": ClaimOps(
+        table="procrastinate_jobs",
+        claimable_index="procrastinate_jobs_priority_idx_v1",
+        fill_sql=PROC_FILL_SQL,
+        ns=(1,),
+        register_sql="select worker_id from procrastinate_register_worker_v1()",
+        queue_sql="select null",  # all queues: what its worker asks for by default
+        # procrastinate's fetch takes one job per call (ns = (1,)).
+        claim_sql="select id, null from procrastinate_fetch_job_v2(null, %(w)s)"
+        " where id is not null",
+        held_sql="select id, null from procrastinate_jobs where worker_id = %(w)s"
+        " and status = 'doing'",
+        complete=_proc_complete,
+        note="procrastinate_fetch_job_v2(all queues, worker) (what its worker calls: one job"
+        " per call), then procrastinate_finish_job_v1(id, 'succeeded', false)",
+    ),
+}
 
 
 def claim_cost_params(smoke: bool) -> dict[str, Any]:
@@ -90,19 +161,18 @@ def claim_cost_params(smoke: bool) -> dict[str, Any]:
     }
 
 
-def _claim_and_complete(conn: psycopg.Connection[Any], q: Any, w: Any, n: int,
-                        explain: bool) -> tuple[float, dict[str, Any] | None, int]:
-    claim = "select * from fl.claim(%s, %s, array['noop'], %s, interval '30 seconds')"
+def _claim_and_complete(conn: psycopg.Connection[Any], ops: ClaimOps, qw: tuple[Any, Any],
+                        n: int, explain: bool) -> tuple[float, dict[str, Any] | None, int]:
+    q, w = qw
+    args = {"q": q, "w": w, "n": n}
     t0 = time.perf_counter()
     if explain:
         plan = conn.execute(
-            "explain (analyze, buffers, format json) " + claim, (q, w, n)
+            "explain (analyze, buffers, format json) " + ops.claim_sql, args  # type: ignore[operator]
         ).fetchone()[0][0]  # type: ignore[index]
         ms = (time.perf_counter() - t0) * 1000
         # EXPLAIN does not return the rows: complete what this worker holds instead.
-        rows = conn.execute(
-            "select job_id, fence from fl.leases where worker_id = %s", (w,)
-        ).fetchall()
+        rows = conn.execute(ops.held_sql, args).fetchall()  # type: ignore[arg-type]
         node = plan["Plan"]
         info = {
             "exec_ms": plan["Execution Time"],
@@ -111,22 +181,16 @@ def _claim_and_complete(conn: psycopg.Connection[Any], q: Any, w: Any, n: int,
             "shared_dirtied": node["Shared Dirtied Blocks"],
         }
     else:
-        rows = [
-            (r[1], r[2])
-            for r in conn.execute(claim, (q, w, n)).fetchall()
-            if r[0] == "ok"
-        ]
+        rows = conn.execute(ops.claim_sql, args).fetchall()  # type: ignore[arg-type]
         ms = (time.perf_counter() - t0) * 1000
         info = None
     if rows:
-        conn.execute(
-            "select * from fl.complete(%s, %s, %s, %s::jsonb[])",
-            (w, [r[0] for r in rows], [r[1] for r in rows], [None] * len(rows)),
-        )
+        ops.complete(conn, w, [(r[0], r[1]) for r in rows])
     return ms, info, len(rows)
 
 
-def _per_statement(conn: psycopg.Connection[Any], q: Any, w: Any, n: int) -> list[str]:
+def _per_statement(conn: psycopg.Connection[Any], ops: ClaimOps, qw: tuple[Any, Any],
+                   n: int) -> list[str]:
     """One claim (and its completion) with auto_explain logging every nested statement's
     plan and buffers to this client: where the blocks of a claim go, statement by statement.
     Superuser only (LOAD); returns [] when that is refused."""
@@ -146,7 +210,7 @@ def _per_statement(conn: psycopg.Connection[Any], q: Any, w: Any, n: int) -> lis
                         "log_analyze = on", "log_buffers = on", "log_timing = off"):
             conn.execute(f"set auto_explain.{setting}")  # type: ignore[arg-type]
         conn.execute("set client_min_messages = log")
-        _claim_and_complete(conn, q, w, n, False)
+        _claim_and_complete(conn, ops, qw, n, False)
     finally:
         conn.execute("reset client_min_messages")
         conn.execute("set auto_explain.log_min_duration = -1")
@@ -159,53 +223,61 @@ def _per_statement(conn: psycopg.Connection[Any], q: Any, w: Any, n: int) -> lis
         buffers = next((ln.strip() for ln in lines if ln.strip().startswith("Buffers:")), "")
         scans = sorted({ln.strip().split("  (")[0].lstrip("-> ") for ln in lines
                         if " Scan " in ln or ln.strip().startswith("-> Bitmap")})
-        out.append(f"{query[:60]!r}: {buffers or 'no buffers'}; {', '.join(scans)[:200]}")
+        out.append(f"{' '.join(query.split())[:60]!r}: {buffers or 'no buffers'}; "
+                   f"{', '.join(scans)[:200]}")
     return out
 
 
+def _submit(ctx: Context, peer: Peer, url: str, conn: psycopg.Connection[Any], k: int) -> None:
+    """k queued no-op jobs, submitted the peer's normal way."""
+    if peer.name == "fenceline":
+        conn.execute("select fl.submit((select id from fl.queues where name = 'bench'),"
+                     " 'noop', '{}') from generate_series(1, %s)", (k,))
+    else:
+        peer.run("enqueue", str(k), "--dsn", url, timeout=300)
+
+
 def claim_cost_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str, Any]:
+    ops = CLAIM_OPS[peer.name]
     db, url = fresh_peer_db(ctx, peer)
     steps = []
     problems: list[str] = []
     conn = _connect(url)
     try:
-        q = _queue(conn)
         have = 0
         for size in p["sizes"]:
             t0 = time.monotonic()
-            conn.execute("alter table fl.jobs disable trigger all")
+            conn.execute(f"alter table {ops.table} disable trigger all")  # type: ignore[arg-type]
             try:
                 while have < size:
                     hi = min(size, have + FILL_BATCH)
-                    conn.execute(FILL_SQL, {"lo": have + 1, "hi": hi, "q": q})
+                    conn.execute(ops.fill_sql, {"lo": have + 1, "hi": hi})  # type: ignore[arg-type]
                     have = hi
             finally:
-                conn.execute("alter table fl.jobs enable trigger all")
+                conn.execute(f"alter table {ops.table} enable trigger all")  # type: ignore[arg-type]
             fill_s = time.monotonic() - t0
             if not steps:
                 # A standing backlog of queued jobs, submitted the normal way; each n
                 # below adds what it will take, so the backlog is the same at every size.
-                conn.execute(
-                    "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
-                    (q, p["queued"]),
-                )
+                _submit(ctx, peer, url, conn, p["queued"])
             t1 = time.monotonic()
-            # autovacuum is off on the shared server this was written on; without a
-            # VACUUM the claimable index keeps a dead entry for every job claimed at the
-            # smaller sizes, and that, not the table's size, is what later claims pay
-            # for (seen in the first full run). VACUUM is what autovacuum would do here.
+            # autovacuum is off on the shared server this was written on; without a VACUUM
+            # the claimable index keeps a dead entry for every job claimed at the smaller
+            # sizes, and that, not the table's size, is what later claims pay for (seen in
+            # the first full run). VACUUM is what autovacuum would do here.
             vacuum_notes: list[str] = []
 
             def keep_vacuum_note(diag: psycopg.errors.Diagnostic,
                                  notes: list[str] = vacuum_notes) -> None:
                 msg = diag.message_primary or ""
                 notes.extend(ln.strip() for ln in msg.splitlines()
-                             if "index scan" in ln and "fl.jobs" not in ln)
+                             if ln.startswith("index scan") and "pg_toast" not in msg)
 
             conn.add_notice_handler(keep_vacuum_note)
             try:
-                conn.execute("vacuum (analyze, verbose) fl.jobs" if p["vacuum"]
-                             else "analyze fl.jobs")
+                conn.execute(  # type: ignore[call-overload]
+                    f"vacuum (analyze, verbose) {ops.table}" if p["vacuum"]
+                    else f"analyze {ops.table}")
             finally:
                 conn.remove_notice_handler(keep_vacuum_note)
             vacuum_s = time.monotonic() - t1
@@ -215,11 +287,12 @@ def claim_cost_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dic
             # A new session per size, so no plan cached at a smaller size is reused.
             conn.close()
             conn = _connect(url)
-            w = conn.execute(
-                "select fl.register_worker(array[%s]::uuid[], array['noop'], 'bench',"
-                " pg_backend_pid(), 16, null)",
-                (q,),
-            ).fetchone()[0]  # type: ignore[index]
+            w = conn.execute(ops.register_sql).fetchone()[0]  # type: ignore[index, arg-type]
+            qw = (conn.execute(ops.queue_sql).fetchone()[0], w)  # type: ignore[index, arg-type]
+
+            def scalar(query: str, c: psycopg.Connection[Any] = conn) -> Any:
+                return c.execute(query).fetchone()[0]  # type: ignore[index, arg-type]
+
             step: dict[str, Any] = {
                 "rows": size,
                 "standing_backlog": p["queued"],
@@ -229,38 +302,33 @@ def claim_cost_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dic
                 # ("index scan bypassed"): the claimable index then keeps the dead entries
                 # of the jobs claimed since the last cleanup.
                 "vacuum_index_note": vacuum_notes[:1],
-                "claimable_index_pages": conn.execute(
-                    "select pg_relation_size('fl.jobs_claimable') / 8192").fetchone()[0],  # type: ignore[index]
-                "jobs_total_bytes": conn.execute(
-                    "select pg_total_relation_size('fl.jobs')").fetchone()[0],  # type: ignore[index]
-                "jobs_heap_bytes": conn.execute(
-                    "select pg_relation_size('fl.jobs')").fetchone()[0],  # type: ignore[index]
+                "claimable_index_pages": scalar(
+                    f"select pg_relation_size('{ops.claimable_index}') / 8192"),
+                "jobs_total_bytes": scalar(f"select pg_total_relation_size('{ops.table}')"),
+                "jobs_heap_bytes": scalar(f"select pg_relation_size('{ops.table}')"),
                 "host_busy_before_cores": busy,
                 "commit_ms_before": ctx.commit_ms(),
                 "load_avg": _load(),
             }
-            for n in (1, 16):
-                # What this n will take, on top of the standing backlog of `queued`.
-                conn.execute(
-                    "select fl.submit(%s, 'noop', '{}') from generate_series(1, %s)",
-                    (q, (p["claims"] + p["explains"] + 5) * n),
-                )
+            for n in ops.ns:
+                # What this n will take, on top of the standing backlog.
+                _submit(ctx, peer, url, conn, (p["claims"] + p["explains"] + 6) * n)
                 # Warm the session (plan caches) with a few claims, not measured.
                 for _ in range(5):
-                    _claim_and_complete(conn, q, w, n, False)
+                    _claim_and_complete(conn, ops, qw, n, False)
                 lat = []
                 handed = 0
                 for _ in range(p["claims"]):
-                    ms, _, got = _claim_and_complete(conn, q, w, n, False)
+                    ms, _, got = _claim_and_complete(conn, ops, qw, n, False)
                     lat.append(ms)
                     handed += got
                 infos = [
-                    _claim_and_complete(conn, q, w, n, True)[1]
+                    _claim_and_complete(conn, ops, qw, n, True)[1]
                     for _ in range(p["explains"])
                 ]
                 if handed < p["claims"] * n:
                     problems.append(f"{size} rows, n={n}: only {handed} jobs claimed")
-                breakdown = _per_statement(conn, q, w, n)
+                breakdown = _per_statement(conn, ops, qw, n)
                 step[f"n{n}"] = {
                     "per_statement": breakdown,
                     "claim_ms": harness.latency_stats(lat),
@@ -269,69 +337,74 @@ def claim_cost_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dic
                     "shared_read": spread(i["shared_read"] for i in infos if i),
                     "shared_dirtied": spread(i["shared_dirtied"] for i in infos if i),
                 }
-            conn.execute("select fl.worker_heartbeat(%s, 'stopped')", (w,))
             steps.append(step)
             harness.log(
-                f"[claim-cost]   {size:,} rows: n=1 p50 "
+                f"[claim-cost]   {peer.name} {size:,} rows: n=1 p50 "
                 f"{step['n1']['claim_ms']['p50']:.2f} ms, "
                 f"{step['n1']['shared_hit'].get('median')} hit / "
-                f"{step['n1']['shared_read'].get('median')} read blocks; n=16 p50 "
-                f"{step['n16']['claim_ms']['p50']:.2f} ms (fill {fill_s:.0f} s)"
+                f"{step['n1']['shared_read'].get('median')} read blocks (fill {fill_s:.0f} s,"
+                f" vacuum {vacuum_s:.0f} s)"
             )
     finally:
         conn.close()
         ctx.pg.drop_database(db)
-    return {"steps": steps, "problems": problems, "handled": len(steps), "load_avg": _load()}
+    return {"steps": steps, "problems": problems, "handled": len(steps), "load_avg": _load(),
+            "claim_call": ops.note}
 
 
 def claim_cost_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
                        p: dict[str, Any]) -> list[str]:
-    rs = runs.get("fenceline", [])
-    if not rs:
-        return ["Claim cost: fenceline was not measured (adapter not available)."]
-    steps = rs[-1]["steps"]
-    base = {n: steps[0][f"n{n}"]["claim_ms"]["p50"] for n in (1, 16)} if steps else {}
-    headers = ["rows in fl.jobs", "jobs table", "claimable index pages", "n", "claim p50 ms",
-               "p99 ms", "x smallest", "exec ms (EXPLAIN)", "shared hit", "shared read",
-               "load avg"]
+    if not runs:
+        return ["Claim cost: no peer was measured."]
+    headers = ["peer", "rows in jobs table", "jobs table", "claimable index pages", "n",
+               "claim p50 ms", "p99 ms", "x smallest", "exec ms (EXPLAIN)", "shared hit",
+               "shared read", "load avg"]
     rows = []
-    for s in steps:
-        for n in (1, 16):
-            m = s[f"n{n}"]
-            rows.append([
-                f"{s['rows']:,}",
-                f"{s['jobs_total_bytes'] / 2**20:,.0f} MB",
-                str(s.get("claimable_index_pages", "-")),
-                str(n),
-                fmt(m["claim_ms"]["p50"], 2),
-                fmt(m["claim_ms"]["p99"], 2),
-                harness.ratio(m["claim_ms"]["p50"], base[n]),
-                fmt_spread(m["explain_exec_ms"], 3),
-                fmt_spread(m["shared_hit"]),
-                fmt_spread(m["shared_read"]),
-                " ".join(str(x) for x in s["load_avg"]),
-            ])
     detail = []
-    for s in (steps[0], steps[-1]) if len(steps) > 1 else steps[:1]:
-        lines = s["n1"].get("per_statement") or []
-        # The claim's own statements come before its Function Scan line; the rest is the
-        # completion.
-        end = next((i for i, ln in enumerate(lines) if "fl.claim(" in ln), len(lines))
-        note = "; ".join(s.get("vacuum_index_note") or []) or "-"
-        detail.append(f"One n=1 claim at {s['rows']:,} rows, statement by statement "
-                      f"(auto_explain, nested statements); VACUUM before it said: {note}")
-        detail.extend(f"    {ln}" for ln in lines[: end + 1])
+    for peer, rs in runs.items():
+        steps = rs[-1]["steps"]
+        ns = [int(k[1:]) for k in steps[0] if k.startswith("n") and k[1:].isdigit()] \
+            if steps else []
+        base = {n: steps[0][f"n{n}"]["claim_ms"]["p50"] for n in ns}
+        for s in steps:
+            for n in ns:
+                m = s[f"n{n}"]
+                rows.append([
+                    peer,
+                    f"{s['rows']:,}",
+                    f"{s['jobs_total_bytes'] / 2**20:,.0f} MB",
+                    str(s.get("claimable_index_pages", "-")),
+                    str(n),
+                    fmt(m["claim_ms"]["p50"], 2),
+                    fmt(m["claim_ms"]["p99"], 2),
+                    harness.ratio(m["claim_ms"]["p50"], base[n]),
+                    fmt_spread(m["explain_exec_ms"], 3),
+                    fmt_spread(m["shared_hit"]),
+                    fmt_spread(m["shared_read"]),
+                    " ".join(str(x) for x in s["load_avg"]),
+                ])
+        for s in (steps[0], steps[-1]) if len(steps) > 1 else steps[:1]:
+            lines = s["n1"].get("per_statement") or []
+            # The claim's own statements come before its Function Scan line; the rest is
+            # the completion.
+            end = next((i for i, ln in enumerate(lines) if "Function Scan on" in ln
+                        and ("fl.claim(" in ln or "fetch_job" in ln)), len(lines) - 1)
+            note = "; ".join(s.get("vacuum_index_note") or []) or "-"
+            detail.append(f"{peer}: one n=1 claim at {s['rows']:,} rows, statement by "
+                          f"statement (auto_explain); VACUUM before it said: {note}")
+            detail.extend(f"    {ln}" for ln in lines[: end + 1])
+    calls = "; ".join(f"{peer}: {rs[-1].get('claim_call', '?')}" for peer, rs in runs.items())
     return [
-        "Claim cost against table size (fenceline only: pgqueuer moves finished jobs out of "
-        "its queue table; procrastinate keeps them and is not measured yet, see "
-        f"bench/engine_workloads.py). {p['queued']:,} queued jobs beside N "
-        "terminal rows (98% completed, 1% dead_letter, 1% cancelled; a fixture inserted with "
-        "fl.jobs' triggers disabled, then re-enabled), then "
-        + ("VACUUM (ANALYZE) fl.jobs" if p.get("vacuum") else "ANALYZE only")
-        + ". A new connection per size: "
-        f"{p['claims']} x (fl.claim n, then fl.complete) per n, client round trip of the "
-        f"claim; then {p['explains']} claims under EXPLAIN (ANALYZE, BUFFERS) for the blocks "
-        "touched by the whole call (median (min-max)).",
+        "Claim cost against table size (fenceline and procrastinate; pgqueuer moves finished "
+        f"jobs out of its queue table, so it has no equivalent). {p['queued']:,} queued jobs "
+        "beside N terminal rows (98% completed/succeeded, 1% dead_letter/failed, 1% "
+        "cancelled; a fixture inserted with the jobs table's triggers disabled, then "
+        "re-enabled), then "
+        + ("VACUUM (ANALYZE) of the jobs table" if p.get("vacuum") else "ANALYZE only")
+        + f". A new connection per size; per claim size n: {p['claims']} x (claim, then "
+        "complete), client round trip of the claim; then "
+        f"{p['explains']} claims under EXPLAIN (ANALYZE, BUFFERS) for the blocks the whole "
+        f"call touched (median (min-max)). Calls: {calls}.",
         harness.table(headers, rows, right=set(range(1, len(headers) - 1))),
         *(["\n".join(detail)] if detail else []),
     ]
@@ -690,8 +763,9 @@ def caps_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
 
 
 register(Workload("claim-cost", "claim latency and blocks touched with 10k to 10M rows in "
-                  "fl.jobs, mostly terminal (fenceline only)", claim_cost_params,
-                  claim_cost_run, claim_cost_summary, only=FENCELINE_ONLY))
+                  "the jobs table, mostly terminal (fenceline, procrastinate)",
+                  claim_cost_params, claim_cost_run, claim_cost_summary,
+                  only=tuple(CLAIM_OPS)))
 register(Workload("recovery", "SIGKILL of 4 workers holding 16 jobs: seconds until all run "
                   "again, against lease + reaper interval (fenceline only)", recovery_params,
                   recovery_run, recovery_summary, only=FENCELINE_ONLY))
