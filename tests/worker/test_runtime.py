@@ -98,7 +98,9 @@ async def test_unknown_queue_is_a_clear_error(dsn: str) -> None:
 
 async def test_a_handler_past_its_deadline_is_reported_as_timeout(engine: Engine,
                                                                    dsn: str) -> None:
-    queue = engine.make_queue(default_timeout_ms=300)
+    # A long backoff: under load the poll below could otherwise see a second attempt.
+    queue = engine.make_queue(default_timeout_ms=300,
+                              policy={"base_delay_ms": 3_600_000, "jitter": False})
     job_id = engine.submit(queue, "slow")
     worker = Worker(str(queue))
     cancelled = trio.Event()
