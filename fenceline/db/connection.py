@@ -107,6 +107,9 @@ R = TypeVar("R")
 
 #: Bound on the shielded "send a server cancel, then drain the query" step (rule 1).
 CANCEL_TIMEOUT = 5.0
+#: A cancel request that reaches the server before the backend has started the command is
+#: ignored by PostgreSQL; if the command is still running after this long, cancel it again.
+RECANCEL_INTERVAL = 0.5
 #: Bound on waits, lock acquisitions and cancels that run shielded in cleanup mode (rule 2).
 CLEANUP_TIMEOUT = 10.0
 
@@ -502,12 +505,13 @@ class TrioConnection(psycopg.AsyncConnection[Row]):
         with trio.CancelScope(shield=True, deadline=trio.current_time() + CANCEL_TIMEOUT) as scope:
             try:
                 if active:
+                    await self._send_cancel()
+                while True:
                     try:
-                        await self._cancel_now(limit=CANCEL_TIMEOUT)
-                    except e.Error as ex:
-                        # Still drain: the command may end by itself within the time left.
-                        logger.warning("query cancellation failed on %s: %s", self, ex)
-                await trio_wait(gen, fileno)
+                        await trio_wait(gen, fileno, limit=RECANCEL_INTERVAL if active else None)
+                        break
+                    except e._WaitTimeout:
+                        await self._send_cancel()
             except trio.Cancelled:
                 raise  # our own deadline: handled below
             except e.QueryCanceled:
@@ -521,6 +525,13 @@ class TrioConnection(psycopg.AsyncConnection[Row]):
         if scope.cancelled_caught:
             self._abandon(f"query not terminated {CANCEL_TIMEOUT:.0f} s after cancellation")
             _drop(gen)
+
+    async def _send_cancel(self) -> None:
+        try:
+            await self._cancel_now(limit=CANCEL_TIMEOUT)
+        except e.Error as ex:
+            # Still drain: the command may end by itself within the time left.
+            logger.warning("query cancellation failed on %s: %s", self, ex)
 
     @asynccontextmanager
     async def transaction(

@@ -253,6 +253,29 @@ async def test_query_in_cancelled_scope_leaves_connection_usable(conn: Conn) -> 
     assert await fetch1(conn, "select 1") == 1
 
 
+async def test_a_lost_cancel_request_is_sent_again(conn: Conn,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL ignores a cancel request that arrives before the backend has started the
+    command (seen under load: the query then ran its full 10 s and the connection was
+    abandoned). Lose the first request on purpose: the second one must end the query."""
+    real = TrioConnection._cancel_now
+    sent: list[float] = []
+
+    async def lossy(self: TrioConnection[Any], *, limit: float | None) -> None:
+        sent.append(trio.current_time())
+        if len(sent) > 1:
+            await real(self, limit=limit)
+
+    monkeypatch.setattr(TrioConnection, "_cancel_now", lossy)
+    began = trio.current_time()
+    with trio.move_on_after(0.2):
+        await conn.execute("select pg_sleep(10)")
+    assert len(sent) == 2
+    assert trio.current_time() - began < 3
+    assert conn.pgconn.transaction_status == IDLE
+    assert await fetch1(conn, "select 1") == 1
+
+
 async def test_query_in_except_block_of_cancelled_task_runs(conn: Conn) -> None:
     """Cleanup mode: code handling an exception in a cancelled scope can still talk."""
     await conn.execute("create table log (v text)")
