@@ -9,7 +9,9 @@ harness), the adapter's worker (`work`, concurrency 16) running, then one job ev
 - start: when the worker's handler began (its start record).
 
 all measured from the submit timestamp. start - notify is the worker's own share: its
-listener hand-off, the claim round trip and starting the handler task.
+listener hand-off, the claim round trip and starting the handler task. Also `select 1`
+round trips back to back and after the same idle gap: on a virtual machine whose idle
+vCPUs sleep deeply, the second is what any idle latency starts from.
 
     .venv/bin/python bench/idle_breakdown.py [--dsn URL] [--jobs 40] [--interval 0.5]
 """
@@ -73,6 +75,15 @@ def main() -> None:
         t.start()
         sub = psycopg.connect(url, autocommit=True)
         q = sub.execute("select id from fl.queues where name = 'bench'").fetchone()[0]  # type: ignore[index]
+        # The host's own wake-up cost: `select 1` back to back, and after the same idle gap
+        # as the jobs (client and backend both asleep in between).
+        rtt: dict[str, list[float]] = {"hot": [], "after_gap": []}
+        for key, gap in (("hot", 0.0), ("after_gap", args.interval)):
+            for _ in range(15):
+                time.sleep(gap)
+                t0 = time.perf_counter()
+                sub.execute("select 1")
+                rtt[key].append((time.perf_counter() - t0) * 1000)
         time.sleep(1.0)
         sent: list[tuple[float, float]] = []
         for _ in range(args.jobs):
@@ -108,6 +119,8 @@ def main() -> None:
         "notify_seen_ms": stats(notify),
         "handler_start_ms": stats(start),
         "worker_share_ms": stats(worker_share),
+        "select1_back_to_back_ms": stats(rtt["hot"]),
+        "select1_after_idle_gap_ms": stats(rtt["after_gap"]),
     }, indent=1))
 
 
