@@ -101,8 +101,11 @@ create index jobs_claimable on fl.jobs (queue_id, type, priority desc, run_at, i
 create index jobs_delayed on fl.jobs (queue_id, run_at)
     where status in ('scheduled', 'retry_wait') and pending_deps = 0;
 
+-- vacuum_index_cleanup = on: with a large history VACUUM's "auto" mode skips index cleanup,
+-- leaving dead entries at the head of jobs_claimable for every claim to read past (bench:
+-- 43 blocks per claim after VACUUM, 128 after 10,000 more claims, 47 after INDEX_CLEANUP ON).
 alter table fl.jobs set (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 200,
-                         autovacuum_analyze_scale_factor = 0.02);
+                         autovacuum_analyze_scale_factor = 0.02, vacuum_index_cleanup = on);
 
 -- The legal edges. The trigger below enforces exactly these (fl.legal_transition); the end of
 -- this file checks that the function and the table agree, and tests/engine checks that the

@@ -1021,7 +1021,12 @@ begin
                fence = j.fence + case when p_bump or d.cancel then 1 else 0 end,
                lost_count = case when d.cancel then j.lost_count else d.lost_new end,
                timeout_count = case when d.cancel then j.timeout_count else d.timeouts_new end,
-               run_at = case when not d.cancel and d.reason is null
+               -- A lost attempt (the worker died or went silent) is due again at once: the
+               -- lease it outlived was its backoff, and recovery stays within lease + one
+               -- reaper pass (bench: recovery). max_lost still bounds a job that kills workers.
+               run_at = case when not d.cancel and d.reason is null and d.kind = 'lost'
+                             then p_now
+                             when not d.cancel and d.reason is null
                              then p_now + fl.backoff(d.backoff_kind, d.base_delay_ms,
                                                      d.max_delay_ms, d.jitter, d.attempts)
                              else j.run_at end,

@@ -85,6 +85,24 @@ def test_reap_skips_live_leases_and_takes_expired_ones(eng: Engine) -> None:
     assert (att["outcome"], att["error_class"]) == ("lost", "lease_expired")
 
 
+def test_a_lost_job_is_due_at_once_while_a_failed_one_backs_off(eng: Engine) -> None:
+    """The lease a lost job outlived was its backoff: it is claimable again at the reap, so
+    recovery stays within lease + one reaper pass. A reported failure still backs off."""
+    q = eng.make_queue(breaker_enabled=False,
+                       policy={"base_delay_ms": 60_000, "jitter": False})
+    w = eng.worker(q)
+    lost, failed = eng.submit(q), eng.submit(q)
+    held = {r["job_id"]: r["fence"] for r in eng.claim(q, w, n=2, lease="10 seconds")}
+    assert eng.fail(w, failed, held[failed])["outcome"] == "retry"
+    now = eng.advance(11)
+    [reaped] = eng.reap()
+    assert (reaped["job_id"], reaped["outcome"]) == (lost, "retry")
+    assert (eng.job(lost)["status"], eng.job(lost)["run_at"]) == ("retry_wait", now)
+    assert eng.job(failed)["run_at"] > now
+    other = eng.worker(q)
+    assert [r["job_id"] for r in eng.claim(q, other, n=2)] == [lost]
+
+
 def test_reap_cannot_reap_a_lease_being_extended(eng: Engine) -> None:
     """The extension holds the lease row; the reaper waits for it, re-reads, and keeps it."""
     q = eng.make_queue()
