@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import engine_workloads, harness, peers, workloads
+from bench import engine_workloads, harness, http_workload, peers, workloads
 from bench.harness import Postgres, log
 
 
@@ -105,6 +105,7 @@ def peer_lines(ready: dict[str, peers.Peer]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     assert engine_workloads.FENCELINE_ONLY  # imported for its register() calls
+    assert http_workload.TARGET_RPS
     args = parse_args(argv)
     if args.workload == "list":
         list_workloads()

@@ -465,15 +465,8 @@ register(
     )
 )
 
-# Planned: plug a run/summary pair in with register() to build one. claim-cost, recovery
-# and caps are in bench/engine_workloads.py (fenceline only).
-register(
-    Workload(
-        "http-submit",
-        "HTTP submission: submit-to-start and throughput through the API "
-        "(not measured: API not built yet)",
-    )
-)
+# claim-cost, recovery and caps are in bench/engine_workloads.py (fenceline only), and
+# http-submit in bench/http_workload.py.
 
 
 # ----------------------------------------------------------------------------- driver

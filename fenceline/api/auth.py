@@ -62,6 +62,29 @@ def bearer_token(authorization: str | None) -> str | None:
     return value.strip()
 
 
+# The caller behind a token as one row (user_id, session_id, key_id, key_project, key_role),
+# over %(token)s (the token's SHA-256): the same conditions as `authenticate`, for callers
+# that put the lookup into a bigger statement (fenceline.api.authz.authorise).
+SESSION_CALLER = (
+    "select user_id, id, null::uuid, null::uuid, null::text from fl.sessions"
+    " where token_hash = %(token)s and revoked_at is null and expires_at > fl.now()")
+KEY_CALLER = (
+    "select null::uuid, null::uuid, id, project_id, role::text from fl.api_keys"
+    " where token_hash = %(token)s and revoked_at is null"
+    "   and (expires_at is null or expires_at > fl.now())")
+
+
+def caller_query(token: str | None) -> str | None:
+    """`SESSION_CALLER` or `KEY_CALLER` by the token's prefix; None: no such token can exist."""
+    if token is None:
+        return None
+    if token.startswith(SESSION_PREFIX):
+        return SESSION_CALLER
+    if token.startswith(KEY_PREFIX):
+        return KEY_CALLER
+    return None
+
+
 async def authenticate(conn: psycopg.AsyncConnection[Any], token: str | None) -> Caller:
     """The caller behind ``token``, or a 401 problem."""
     if token is None:

@@ -170,7 +170,9 @@ async def _serve(ep: Endpoint, path_values: dict[str, str]) -> Response:
     request_id = str(g.request_id)
     for attempt in range(MAX_TRIES):
         try:
-            async with pool.connection() as conn, conn.transaction():
+            # One transaction per request, begun and ended by _handle; a request that fails
+            # leaves it open or failed, and the pool's checkin rolls it back (shielded).
+            async with pool.connection() as conn:
                 reply = await _handle(ep, conn, token, params, body, query, request_id)
             return render(reply)
         except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
@@ -193,28 +195,44 @@ async def _handle(ep: Endpoint, conn: psycopg.AsyncConnection[Any], token: str |
     caller: Caller | None = None
     scope: Scope | None = None
     if ep.role is not None:
-        caller = await auth.authenticate(conn, token)
-        if ep.users_only and not caller.is_user:
-            raise Problem(403, "forbidden", "Forbidden", "API keys cannot do this; log in")
-        if ep.scope is not None:
-            kind, param = ep.scope
-            scope = await authz.resolve(conn, caller, kind, params[param], ep.role)
+        # BEGIN, the token lookup and the authorisation join: one round trip.
+        target = None if ep.scope is None else (ep.scope[0], params[ep.scope[1]])
+        caller, scope = await authz.authorise(conn, token, target, ep.role,
+                                              users_only=ep.users_only, prefix="begin; ")
+    else:
+        await conn.execute("begin")
     call = Call(conn, caller, scope, params, body, query, request.headers, request_id)
     reply = await ep.handler(call)
-    if ep.audit is not None:
-        await _write_audit(call, ep, reply)
+    # The audit row and COMMIT: one round trip (the INSERT fails -> no COMMIT is run).
+    await _commit(conn, _audit_sql(call, ep) if ep.audit is not None else "")
     return reply
 
 
-async def _write_audit(call: Call, ep: Endpoint, reply: Reply) -> None:
+async def _commit(conn: psycopg.AsyncConnection[Any], before: str = "") -> None:
+    """``before`` (SQL, values as literals) then COMMIT, sent as one simple-protocol query.
+
+    Refuse to report success for a transaction that had already failed: PostgreSQL answers
+    a COMMIT of one with ROLLBACK and no error.
+    """
+    if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+        raise psycopg.InternalError("the request's transaction is not open at commit")
+    cur = await conn.execute(before + "commit")
+    if before:
+        cur.nextset()
+    if cur.statusmessage != "COMMIT":
+        raise psycopg.InternalError(f"COMMIT answered {cur.statusmessage}")
+
+
+def _audit_sql(call: Call, ep: Endpoint) -> str:
+    """The audit row's INSERT with its values bound client-side, ending in '; '."""
     scope = call.audit_scope or call.scope
     if scope is None or call.caller is None or ep.audit is None:
         raise AssertionError(f"{ep.path}: an audited endpoint must know its scope")
     entity_id = call.audit_entity_id or scope.entity_id
-    await call.conn.execute(
+    return psycopg.AsyncClientCursor(call.conn).mogrify(
         "insert into fl.audit_log (org_id, project_id, actor_user, actor_key, action, entity,"
         "                          entity_id, detail, request_id)"
-        " values (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        " values (%s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s); ",
         (scope.org_id, scope.project_id, call.caller.user_id, call.caller.key_id, ep.audit,
          ep.audit.split(".")[0], entity_id, json.dumps(call.audit_detail, default=_json_default),
          call.request_id))
