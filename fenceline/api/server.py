@@ -8,9 +8,10 @@ instead would skip ``after_serving``, so cancel is kept for the hard stop only.
 from __future__ import annotations
 
 import logging
+import socket
 
 import trio
-from hypercorn.config import Config
+from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve as hypercorn_serve
 
 from fenceline.api.app import create_app
@@ -21,9 +22,31 @@ log = logging.getLogger("fenceline.api")
 
 GRACEFUL_TIMEOUT = 5.0
 
+# A connection whose sent data has stayed unacknowledged (or unsent behind a zero window: a
+# client that stopped reading) this long is aborted by the kernel. hypercorn shields its
+# socket writes from cancellation, so without this a websocket client that stops reading
+# would hold its task and its stream slot until TCP gave up on its own (minutes to hours).
+SEND_STALL_TIMEOUT = 20.0
 
-def hypercorn_config(settings: Settings) -> Config:
-    cfg = Config()
+
+class ServerConfig(Config):
+    """hypercorn's Config, plus TCP_USER_TIMEOUT on the listening sockets (Linux copies it
+    to every accepted connection)."""
+
+    send_stall_timeout: float = SEND_STALL_TIMEOUT
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        option = getattr(socket, "TCP_USER_TIMEOUT", None)
+        for sock in [*sockets.secure_sockets, *sockets.insecure_sockets]:
+            if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, option,
+                                int(self.send_stall_timeout * 1000))
+        return sockets
+
+
+def hypercorn_config(settings: Settings) -> ServerConfig:
+    cfg = ServerConfig()
     host = f"[{settings.api_addr}]" if ":" in settings.api_addr else settings.api_addr
     cfg.bind = [f"{host}:{settings.api_port}"]
     cfg.graceful_timeout = GRACEFUL_TIMEOUT

@@ -39,10 +39,11 @@ browser) is allowed; the token is the protection there.
 longer read the project (membership removed or role lowered); 4010 cursor too old; 1008 the
 client sent a data message (the stream takes none); 1011 the database is unavailable
 (reconnect with the last ``next``). A frame write that takes longer than 10 s ends the stream
-without a close frame. Limitation: hypercorn shields its socket writes from cancellation
-(hypercorn/trio/tcp_server.py), so a client that stops reading entirely is only dropped once
-it reads again or TCP gives up; until then it keeps its task and its stream slot, which the
-per-user cap bounds to four.
+without a close frame. hypercorn shields its socket writes from cancellation
+(hypercorn/trio/tcp_server.py), so a client that stops reading entirely is dropped by the
+kernel instead: the API's listening sockets set TCP_USER_TIMEOUT (fenceline/api/server.py,
+20 s), which aborts a connection whose data stays unsent behind a zero window, and the
+stream's task and slot go with it (tests/api/test_stream_slow_client.py).
 
 **Delivery**: the stream reads, in one transaction per cycle, the caller's session and role
 (so a logout or a removed membership ends the stream within one cycle, reference W12) and up
