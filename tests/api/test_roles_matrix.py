@@ -408,3 +408,37 @@ async def test_roles_matrix(api: Api, tenant: Tenant, key: str) -> None:
             [(action,)] = await api.sql("select action from fl.audit_log order by id desc limit 1")
             assert action == ep.audit
     assert seen == want
+
+
+@pytest.mark.parametrize("key", sorted(EXAMPLES))
+async def test_dead_tokens_and_oversize_bodies_change_nothing(api: Api, tenant: Tenant,
+                                                              key: str) -> None:
+    """Every endpoint: a revoked session, an expired session, a revoked API key and a body
+    over the 4 MiB cap are refused (401, 401, 401, 413), and nothing is written."""
+    ep = _endpoints()[key]
+    _, revoked = await api.user(f"revoked{_n()}")
+    _, expired = await api.user(f"expired{_n()}")
+    made = await api.post(f"projects/{tenant.project_id}/api-keys",
+                          {"name": "dead", "role": "admin"}, token=tenant.tokens["owner"])
+    dead_key = made.body["token"]
+    await api.sql("update fl.sessions set revoked_at = fl.now() where user_id = "
+                  "(select id from fl.users where email like 'revoked%%')")
+    await api.sql("update fl.sessions set expires_at = fl.now() - interval '1 second'"
+                  " where user_id = (select id from fl.users where email like 'expired%%')")
+    await api.sql("update fl.api_keys set revoked_at = fl.now() where id = %s",
+                  uuid.UUID(made.body["id"]))
+    ex = await EXAMPLES[key](api, tenant)
+    before = await api.sql("select (select count(*) from fl.audit_log),"
+                           " (select count(*) from fl.jobs), (select count(*) from fl.users)")
+    if ep.role is not None:
+        for token in (revoked, expired, dead_key):
+            answer = await api.call(ep.method, ex.path, ex.body, token=token, query=ex.query)
+            assert (answer.status, answer.code) == (401, "unauthenticated"), (token[:4], answer)
+    oversize = b'{"pad": "' + b"x" * (4 * 1024 * 1024) + b'"}'
+    answer = await api.call(ep.method, ex.path, raw=oversize, query=ex.query,
+                            token=tenant.tokens["owner"],
+                            headers={"Content-Type": "application/json"})
+    assert (answer.status, answer.code) == (413, "payload_too_large"), answer
+    assert await api.sql("select (select count(*) from fl.audit_log),"
+                         " (select count(*) from fl.jobs),"
+                         " (select count(*) from fl.users)") == before
