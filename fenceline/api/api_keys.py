@@ -13,9 +13,9 @@ import uuid
 
 from fenceline.api import auth
 from fenceline.api.endpoint import Call, Reply, Resource
-from fenceline.api.orgs import NAME, clean_name, dict_row, dict_rows
 from fenceline.api.pagination import decode_cursor, make_page, page_limit, page_query, page_schema
 from fenceline.api.problems import Problem
+from fenceline.api.records import NAME, clean_name, dict_row, dict_rows
 from fenceline.api.validation import invalid, obj, string, timestamp, uuid_string
 
 resource = Resource("api_keys", "API keys")

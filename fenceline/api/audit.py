@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from fenceline.api.endpoint import Call, Reply, Resource
-from fenceline.api.orgs import dict_rows
 from fenceline.api.pagination import decode_cursor, make_page, page_limit, page_query, page_schema
+from fenceline.api.records import dict_rows
 from fenceline.api.validation import INT64_MAX, integer, obj, string, timestamp, uuid_string
 
 resource = Resource("audit", "Audit")

@@ -12,9 +12,6 @@ import hashlib
 import secrets
 import uuid
 from dataclasses import dataclass
-from typing import Any
-
-import psycopg
 
 from fenceline.api.problems import Problem
 
@@ -63,8 +60,8 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 # The caller behind a token as one row (user_id, session_id, key_id, key_project, key_role),
-# over %(token)s (the token's SHA-256): the same conditions as `authenticate`, for callers
-# that put the lookup into a bigger statement (fenceline.api.authz.authorise).
+# over %(token)s (the token's SHA-256). fenceline.api.authz.authorise puts it into the one
+# statement that also finds the caller's role, so there is one lookup for every request.
 SESSION_CALLER = (
     "select user_id, id, null::uuid, null::uuid, null::text from fl.sessions"
     " where token_hash = %(token)s and revoked_at is null and expires_at > fl.now()")
@@ -83,28 +80,3 @@ def caller_query(token: str | None) -> str | None:
     if token.startswith(KEY_PREFIX):
         return KEY_CALLER
     return None
-
-
-async def authenticate(conn: psycopg.AsyncConnection[Any], token: str | None) -> Caller:
-    """The caller behind ``token``, or a 401 problem."""
-    if token is None:
-        raise unauthenticated()
-    digest = token_hash(token)
-    if token.startswith(SESSION_PREFIX):
-        cur = await conn.execute(
-            "select id, user_id from fl.sessions"
-            " where token_hash = %s and revoked_at is null and expires_at > fl.now()",
-            (digest,))
-        row = await cur.fetchone()
-        if row is not None:
-            return Caller(user_id=row[1], session_id=row[0])
-    elif token.startswith(KEY_PREFIX):
-        cur = await conn.execute(
-            "select id, project_id, role::text from fl.api_keys"
-            " where token_hash = %s and revoked_at is null"
-            "   and (expires_at is null or expires_at > fl.now())",
-            (digest,))
-        row = await cur.fetchone()
-        if row is not None:
-            return Caller(key_id=row[0], key_project=row[1], key_role=row[2])
-    raise unauthenticated("the token is unknown, expired or revoked")

@@ -92,9 +92,9 @@ async def authorise(conn: psycopg.AsyncConnection[Any], token: str | None,
                     prefix: str = "") -> tuple[Caller, Scope | None]:
     """Authenticate ``token`` and resolve ``scope`` (kind, entity id) in ONE statement.
 
-    The same answers, in the same order, as `auth.authenticate`, the users-only check and
-    `resolve`: 401 (no such token, expired or revoked), 403 (an API key where only people
-    may call), 404 (no such entity, or not the caller's), 403 (role below ``needed``).
+    Answers, in this order: 401 (no such token, expired or revoked), 403 (an API key where
+    only people may call), 404 (no such entity, or not the caller's), 403 (role below
+    ``needed``).
     ``prefix`` is SQL sent ahead of the statement in the same round trip (the request path's
     ``begin``); the statement is then sent with its values as literals (psycopg's client-side
     binding, the server's own quoting rules), as one simple-protocol query.

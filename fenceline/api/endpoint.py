@@ -7,9 +7,10 @@ document (fenceline/api/openapi.py), docs/API.md and the roles matrix test, so n
 can drift from what the code does.
 
 The request path, in order (each step's failure wins over the later ones):
-parse path ids (400) -> read and validate the body and query (400/413) -> open a transaction
--> authenticate (401) -> resolve the addressed entity and the caller's role in one join
-(404 for non-members, 403 below the role) -> the handler -> the audit row -> commit.
+parse path ids (400) -> read and validate the body and query (400/413) -> BEGIN with one
+statement that finds the caller by token hash (401) and the addressed entity and the caller's
+role in one join (404 for non-members, 403 below the role) -> the handler -> the audit row
+and COMMIT.
 Serialization failures and deadlocks re-run the whole transaction (at most five tries).
 """
 

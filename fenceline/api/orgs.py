@@ -18,22 +18,19 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
 from typing import Any
-
-import psycopg
 
 from fenceline.api.authz import ROLES, Scope, at_least
 from fenceline.api.endpoint import Call, Reply, Resource
 from fenceline.api.pagination import decode_cursor, make_page, page_limit, page_query, page_schema
 from fenceline.api.problems import Problem
-from fenceline.api.validation import email, invalid, obj, string, timestamp, uuid_string
+from fenceline.api.records import NAME, clean_name, dict_row, dict_rows
+from fenceline.api.validation import email, obj, string, timestamp, uuid_string
 
 log = logging.getLogger("fenceline.api")
 
 resource = Resource("orgs", "Organizations")
 
-NAME = string(1, 200, description="1-200 characters; surrounding spaces are trimmed.")
 ROLE = string(enum=ROLES)
 
 ORG = obj({"id": uuid_string(), "name": string(),
@@ -45,46 +42,8 @@ MEMBER = obj({"user_id": uuid_string(), "email": email(), "name": string(nullabl
              ["user_id", "email", "name", "role", "created_at"])
 
 
-# -- helpers shared by the tenancy modules ------------------------------------------------
-
-
-def clean_name(value: str, field: str = "name") -> str:
-    """A name as stored: trimmed, and not empty once trimmed."""
-    name = value.strip()
-    if not name:
-        raise invalid(field, "must not be blank")
-    return name
-
-
-async def dict_rows(cur: psycopg.AsyncCursor[Any]) -> list[dict[str, Any]]:
-    assert cur.description is not None
-    names = [c.name for c in cur.description]
-    return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
-
-
-async def dict_row(cur: psycopg.AsyncCursor[Any], missing: Problem) -> dict[str, Any]:
-    rows = await dict_rows(cur)
-    if not rows:
-        raise missing
-    return rows[0]
-
-
-def name_taken(what: str) -> Problem:
-    return Problem(409, "name_taken", "Name taken", f"that {what} name is already in use here")
-
-
 def forbidden(detail: str) -> Problem:
     return Problem(403, "forbidden", "Forbidden", detail)
-
-
-async def write_unique(call: Call, query: Any, params: Sequence[Any] | dict[str, Any],
-                       taken: Problem) -> psycopg.AsyncCursor[Any]:
-    """Run an INSERT/UPDATE that may break a unique name; its 23505 becomes ``taken``."""
-    try:
-        async with call.conn.transaction():
-            return await call.conn.execute(query, params)
-    except psycopg.errors.UniqueViolation:
-        raise taken from None
 
 
 # -- organizations -----------------------------------------------------------------------

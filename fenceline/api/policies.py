@@ -18,9 +18,17 @@ import psycopg
 from psycopg import sql
 
 from fenceline.api.endpoint import Call, Reply, Resource
-from fenceline.api.orgs import NAME, clean_name, dict_row, dict_rows, name_taken, write_unique
 from fenceline.api.pagination import decode_cursor, make_page, page_limit, page_query, page_schema
 from fenceline.api.problems import Problem
+from fenceline.api.records import (
+    NAME,
+    assignments,
+    clean_name,
+    dict_row,
+    dict_rows,
+    name_taken,
+    write_unique,
+)
 from fenceline.api.validation import (
     Schema,
     boolean,
@@ -134,8 +142,7 @@ async def update_policy(call: Call) -> Reply:
     _check_delays(changes.get("base_delay_ms", row[0]), changes.get("max_delay_ms", row[1]))
     if changes:
         query = sql.SQL("update fl.retry_policies set {} where id = {} returning {}").format(
-            sql.SQL(", ").join(sql.SQL("{} = {}").format(sql.Identifier(k), sql.Placeholder())
-                               for k in changes),
+            assignments(changes),
             sql.Placeholder(), sql.SQL(COLUMNS))
         cur = await write_unique(call, query, [*changes.values(), policy_id],
                                  name_taken("policy"))

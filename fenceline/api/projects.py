@@ -15,9 +15,9 @@ import uuid
 
 from fenceline.api.authz import Scope
 from fenceline.api.endpoint import Call, Reply, Resource
-from fenceline.api.orgs import NAME, clean_name, dict_row, dict_rows, name_taken, write_unique
 from fenceline.api.pagination import decode_cursor, make_page, page_limit, page_query, page_schema
 from fenceline.api.problems import Problem
+from fenceline.api.records import NAME, clean_name, dict_row, dict_rows, name_taken, write_unique
 from fenceline.api.validation import obj, string, timestamp, uuid_string
 
 resource = Resource("projects", "Projects")

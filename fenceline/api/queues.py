@@ -24,9 +24,17 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from fenceline.api.endpoint import Call, Reply, Resource
-from fenceline.api.orgs import NAME, clean_name, dict_row, dict_rows, name_taken, write_unique
 from fenceline.api.pagination import decode_cursor, make_page, page_limit, page_query, page_schema
 from fenceline.api.problems import Problem
+from fenceline.api.records import (
+    NAME,
+    assignments,
+    clean_name,
+    dict_row,
+    dict_rows,
+    name_taken,
+    write_unique,
+)
 from fenceline.api.validation import (
     INT32_MAX,
     Schema,
@@ -182,8 +190,7 @@ async def update_queue(call: Call) -> Reply:
         await _check_policy(call, changes["retry_policy_id"])
     if changes:
         query = sql.SQL("update fl.queues set {} where id = {}").format(
-            sql.SQL(", ").join(sql.SQL("{} = {}").format(sql.Identifier(k), sql.Placeholder())
-                               for k in changes),
+            assignments(changes),
             sql.Placeholder())
         await write_unique(call, query, [*changes.values(), queue_id], name_taken("queue"))
     call.audit_detail = changes

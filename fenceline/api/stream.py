@@ -267,8 +267,7 @@ async def _admit(project_id: str, request_id: str) -> Stream:
                       headers={"Retry-After": "1"})
     try:
         async with pool.connection() as conn, conn.transaction():
-            caller = await auth.authenticate(conn, token)
-            await authz.resolve(conn, caller, "project", project, "viewer")
+            caller, _ = await authz.authorise(conn, token, ("project", project), "viewer")
             start = await events.start(conn, project, raw)
             oldest = await events.low_water(conn, project)
     except psycopg.Error as exc:
@@ -401,13 +400,12 @@ async def _cycle(ws: Any, stream: Stream, position: events.Position) -> events.P
     try:
         async with stream.pool.connection() as conn, conn.transaction():
             try:
-                caller = await auth.authenticate(conn, stream.token)
-            except Problem:
-                raise _Close(CLOSE_UNAUTHENTICATED,
-                             "the session or key was revoked or has expired") from None
-            try:
-                await authz.resolve(conn, caller, "project", stream.project_id, "viewer")
-            except Problem:
+                await authz.authorise(conn, stream.token, ("project", stream.project_id),
+                                      "viewer")
+            except Problem as refused:
+                if refused.status == 401:
+                    raise _Close(CLOSE_UNAUTHENTICATED,
+                                 "the session or key was revoked or has expired") from None
                 raise _Close(CLOSE_FORBIDDEN,
                              "you may no longer read this project's events") from None
             try:
