@@ -56,6 +56,9 @@ def test_empty_environment_value_means_unset() -> None:
         (["--lease", "-5"], {}, "positive number of seconds"),
         (["--lease", "nan"], {}, "positive number of seconds"),
         (["--log-level", "loud"], {}, "must be one of debug, info"),
+        (["--password-profile", "fast"], {}, "must be one of standard, minimal"),
+        ([], {"API_ALLOWED_ORIGINS": "https://ok.example, example.com"},
+         "must look like https://example.com"),
     ],
 )
 def test_bad_values_name_the_source_and_the_problem(
@@ -91,3 +94,11 @@ def test_handlers_module_must_load_and_define_handlers() -> None:
         load_handlers("json")
     with pytest.raises(ConfigError, match="dotted Python module name"):
         config.load("run", parse(["--handlers", "not a module"]), environ={})
+
+
+def test_allowed_origins_are_split_and_trimmed() -> None:
+    settings = config.load("run", parse([]), environ={
+        "API_ALLOWED_ORIGINS": " https://a.example/ , http://*.b.example:8080 "})
+    assert settings.api_allowed_origins == ("https://a.example", "http://*.b.example:8080")
+    assert config.load("run", parse([]), environ={}).api_allowed_origins == ()
+
