@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where JSON results go (default bench/results, smoke: bench/results/smoke)",
     )
     parser.add_argument("--seed", type=int, help="seed for the run order shuffle")
+    parser.add_argument(
+        "--caps-server",
+        choices=engine_workloads.CAPS_SERVERS,
+        help="caps: 'own' (default) starts a scratch PostgreSQL with max_connections 300 on "
+        "fenceline's embedded binaries, so 128 claimers fit; 'shared' uses --dsn's server "
+        "(claimer counts that do not fit its free connections are not measured)",
+    )
     return parser.parse_args(argv)
 
 
@@ -189,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 p["repeat"] = args.repeat
             if args.jobs and wl.name == "burndown":
                 p["jobs"] = args.jobs
+            if args.caps_server and wl.name == "caps":
+                p["server"] = args.caps_server
             log(f"\n== {wl.name}: {wl.description}\n   parameters: {json.dumps(p)}")
             outcome = workloads.run_workload(ctx, wl, list(ready.values()), p)
             baseline = (

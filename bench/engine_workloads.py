@@ -14,13 +14,17 @@ Which peers, and why (printed with each table, and in docs/BENCHMARKS.md):
 - caps: fenceline's cap is a count of lease rows under a per-queue advisory transaction
   lock (docs/DECISIONS.md). It has no shard setting, so shards are "not applicable: single
   counter-free gate" and one configuration is measured. procrastinate has no concurrency cap;
-  pgqueuer's per-entrypoint `concurrency_limit` is not compared here.
+  pgqueuer's per-entrypoint `concurrency_limit` is not compared here. By default it runs on a
+  scratch PostgreSQL of its own (bench/own_server.py: fenceline's embedded binaries and
+  launcher, max_connections 300, durable defaults), because 128 claimers do not fit in the
+  shared server's max_connections 100; `--caps-server shared` runs it on --dsn's server.
 
 Every run gets a fresh database set up by the peer's adapter (`setup`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -36,6 +40,7 @@ import psycopg
 
 from bench import harness
 from bench.harness import fmt, fmt_spread, spread
+from bench.own_server import own_server
 from bench.peers import BENCH_DIR, AdapterFailed, Peer
 from bench.workloads import Context, Workload, fresh_peer_db, register
 
@@ -659,20 +664,86 @@ create trigger bench_inflight_audit after insert on fl.leases
 """
 
 
+# The own server's settings: enough connections for 128 claimers, the harness and the
+# adapter's set-up; PostgreSQL's defaults otherwise (fsync, synchronous_commit on).
+OWN_SERVER_OPTIONS = {"max_connections": "300"}
+# Connections the caps run needs besides the claimers (harness, commit probe, setup, audit).
+CAPS_HEADROOM = 8
+CAPS_SERVERS = ("own", "shared")
+
+
 def caps_params(smoke: bool) -> dict[str, Any]:
+    # server "own": a scratch PostgreSQL the harness starts (bench/own_server.py) on the
+    # binaries fenceline ships, with max_connections 300, because the shared server's 100
+    # (shared with other people's test suites) cannot hold 128 claimers. It starts in about
+    # a second, so the smoke run uses it too and keeps that path from rotting.
+    # `--caps-server shared` runs on the harness's server instead (--dsn / BENCH_DSN); claimer
+    # counts that do not fit in its free connections are reported as not measured.
     if smoke:
         return {"claimers": [4], "cap": 2, "seconds": 1.5, "hold_ms": 10, "jobs": 2_000,
-                "repeat": 1}
-    # 128 claimers do not fit in this server's max_connections (100, shared with other
-    # people's test suites); 64 is the largest that leaves them room.
-    return {"claimers": [16, 64], "cap": 8, "seconds": 10.0, "hold_ms": 10, "jobs": 30_000,
-            "repeat": 1}
+                "repeat": 1, "server": "own", "own_server_options": OWN_SERVER_OPTIONS}
+    return {"claimers": [16, 64, 128], "cap": 8, "seconds": 10.0, "hold_ms": 10,
+            "jobs": 30_000, "repeat": 1, "server": "own",
+            "own_server_options": OWN_SERVER_OPTIONS}
+
+
+def _server_line(server: dict[str, Any]) -> str:
+    st = server["settings"]
+    keys = ("max_connections", "fsync", "synchronous_commit", "full_page_writes",
+            "wal_sync_method", "shared_buffers", "wal_level", "jit")
+    what = (f"own scratch PostgreSQL {st['server_version']} ({server['package']} binaries, "
+            f"started by fenceline.db.embedded.run_embedded in {server['data_dir']}, "
+            f"ready in {server['start_s']:g} s, -c "
+            + " ".join(f"{k}={v}" for k, v in server["options"].items()) + ")"
+            if server["kind"] == "own"
+            else f"shared PostgreSQL {st['server_version']} ({server['dsn']})")
+    return (what + "; " + ", ".join(f"{k} {st[k]}" for k in keys)
+            + f"; INSERT+COMMIT round trip median {server['commit_ms']} ms")
 
 
 def caps_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str, Any]:
-    results = []
+    if p["server"] not in CAPS_SERVERS:
+        raise AdapterFailed(f"caps: unknown server {p['server']!r} (own or shared)")
+    if p["server"] == "shared":
+        info = ctx.pg.conn.info
+        server = {"kind": "shared", "dsn": f"{info.host}:{info.port}/{info.dbname}",
+                  "settings": ctx.pg.settings(), "commit_ms": ctx.commit_ms()}
+        harness.log(f"[caps] server: {_server_line(server)}")
+        return _caps_runs(ctx, peer, p, server)
+    try:
+        with own_server(p["own_server_options"], keep_log_in=ctx.workdir,
+                        log=lambda m: harness.log(f"[caps] {m}")) as srv:
+            pg = harness.Postgres(srv.dsn)
+            try:
+                probe = harness.CommitProbe(pg, f"bench_commitprobe_{os.getpid()}")
+                own = dataclasses.replace(ctx, pg=pg, dsn=srv.dsn, commit_probe=probe,
+                                          wal_tools=None)
+                server = {**srv.describe(), "settings": pg.settings(), "local": pg.local,
+                          "commit_ms": probe.median_ms(50 if ctx.smoke else 200)}
+                harness.log(f"[caps] server: {_server_line(server)}")
+                return _caps_runs(own, peer, p, server)
+            finally:
+                pg.close()
+    except (RuntimeError, OSError, psycopg.Error) as exc:
+        raise AdapterFailed(f"caps: own PostgreSQL server: {exc} (--caps-server shared runs "
+                            "on the --dsn server instead)") from exc
+
+
+def _caps_runs(ctx: Context, peer: Peer, p: dict[str, Any],
+               server: dict[str, Any]) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
     problems: list[str] = []
+    max_conn = int(ctx.pg.scalar("show max_connections"))
     for claimers in p["claimers"]:
+        # Other people's sessions (on the shared server) count against max_connections too.
+        in_use = int(ctx.pg.scalar("select count(*) from pg_stat_activity "
+                                   "where backend_type = 'client backend'"))
+        if claimers + CAPS_HEADROOM > max_conn - in_use:
+            why = (f"not measured: {claimers} claimers + {CAPS_HEADROOM} do not fit in "
+                   f"max_connections {max_conn} ({in_use} in use)")
+            harness.log(f"[caps]   {claimers} claimers: {why}")
+            results.append({"claimers": claimers, "skipped": why, "cap": p["cap"]})
+            continue
         for audit in (False, True):
             db, url = fresh_peer_db(ctx, peer)
             try:
@@ -689,6 +760,7 @@ def caps_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str,
                     busy = harness.wait_quiet(ctx.quiet_max_s)
                     commit_ms = ctx.commit_ms()
                     load0 = _load()
+                    busy0, t0 = harness._busy_seconds(), time.monotonic()
                     proc = subprocess.run(
                         [sys.executable, str(BENCH_DIR / "claimers.py"), "--dsn", url,
                          "--queue", str(q), "--claimers", str(claimers), "--seconds",
@@ -696,6 +768,7 @@ def caps_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str,
                         capture_output=True, text=True, timeout=p["seconds"] + 120,
                         cwd=BENCH_DIR.parent, check=False,
                     )
+                    busy_during = (harness._busy_seconds() - busy0) / (time.monotonic() - t0)
                     if proc.returncode != 0:
                         raise AdapterFailed(f"claimers exited {proc.returncode}: "
                                             f"{proc.stderr.strip()[-500:]}")
@@ -707,7 +780,9 @@ def caps_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str,
                 ctx.pg.drop_database(db)
             out.update(audit=audit, cap=p["cap"], db_peak_in_flight=peak,
                        leases_left=leftover, host_busy_before_cores=busy,
-                       commit_ms_before=commit_ms, load_avg_before=load0, load_avg=_load())
+                       host_busy_cores_during=round(busy_during, 2),
+                       commit_ms_before=commit_ms, load_avg_before=load0, load_avg=_load(),
+                       server=server["kind"])
             if peak is not None and peak > p["cap"]:
                 problems.append(f"{claimers} claimers: {peak} in flight > cap {p['cap']}")
             if out["client_max_held"] > p["cap"]:
@@ -716,10 +791,12 @@ def caps_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str,
             harness.log(
                 f"[caps]   {claimers} claimers{' (audit)' if audit else ''}: "
                 f"{out['admissions_per_s']:.0f} admissions/s, claim p50 "
-                f"{out['claim_ms_p50']:.1f} ms, peak in flight {peak}, cap {p['cap']}"
+                f"{out['claim_ms_p50']:.1f} ms, peak in flight {peak}, cap {p['cap']}, "
+                f"host busy {busy_during:.2f} cores, load {out['load_avg'][0]}"
             )
             results.append(out)
-    return {"results": results, "problems": problems, "handled": len(results),
+    return {"results": results, "problems": problems,
+            "handled": len([r for r in results if "skipped" not in r]), "server": server,
             "load_avg": _load()}
 
 
@@ -730,10 +807,14 @@ def caps_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
         return ["Caps: fenceline was not measured (adapter not available)."]
     headers = ["claimers", "in-flight audit", "admissions/s", "refusals/s (cap_full)",
                "claim p50 ms", "claim p99 ms", "peak in flight (DB)", "max held (client)",
-               "cap", "claimers' CPU s", "commit ms", "load avg"]
+               "cap", "claimers' CPU s", "host busy cores", "commit ms", "load avg"]
     rows = []
+    skipped = []
     for r in rs:
         for o in r["results"]:
+            if "skipped" in o:
+                skipped.append(f"{o['claimers']} claimers: {o['skipped']}")
+                continue
             rows.append([
                 str(o["claimers"]),
                 "on" if o["audit"] else "off",
@@ -745,9 +826,11 @@ def caps_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
                 str(o["client_max_held"]),
                 str(o["cap"]),
                 fmt(o["client_cpu_s"], 1),
+                fmt(o.get("host_busy_cores_during"), 2),
                 fmt(o["commit_ms_before"], 2),
                 " ".join(str(x) for x in o["load_avg"]),
             ])
+    servers = sorted({_server_line(r["server"]) for r in rs if "server" in r})
     return [
         f"Caps under contention (fenceline only; shards: not applicable: single counter-free "
         f"gate, one configuration). max_concurrency {p['cap']}; each claimer is one "
@@ -756,9 +839,11 @@ def caps_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
         "'peak in flight (DB)' is exact: a bench-only statement trigger on fl.leases records "
         "the largest lease count any claim saw before committing (the gate's lock is held "
         "until then); runs with it on pay one extra UPDATE per claim, so admissions/s is "
-        "taken from the runs without it. 128 claimers: not measured (max_connections 100 on "
-        "this shared server).",
+        "taken from the runs without it. 'host busy cores': the whole host (2 cores here) "
+        "while the claimers ran.",
+        *(f"server: {line}" for line in servers),
         harness.table(headers, rows, right=set(range(0, len(headers) - 1)) - {1}),
+        *skipped,
     ]
 
 
@@ -769,6 +854,7 @@ register(Workload("claim-cost", "claim latency and blocks touched with 10k to 10
 register(Workload("recovery", "SIGKILL of 4 workers holding 16 jobs: seconds until all run "
                   "again, against lease + reaper interval (fenceline only)", recovery_params,
                   recovery_run, recovery_summary, only=FENCELINE_ONLY))
-register(Workload("caps", "max_concurrency under 16 and 64 concurrent claimers: "
-                  "admissions/s and peak in flight vs the cap (fenceline only)", caps_params,
+register(Workload("caps", "max_concurrency under 16, 64 and 128 concurrent claimers: "
+                  "admissions/s and peak in flight vs the cap, on a scratch server with "
+                  "max_connections 300 (fenceline only)", caps_params,
                   caps_run, caps_summary, only=FENCELINE_ONLY))
