@@ -24,6 +24,7 @@ Every run gets a fresh database set up by the peer's adapter (`setup`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -710,23 +711,23 @@ def caps_run(ctx: Context, peer: Peer, rep: int, p: dict[str, Any]) -> dict[str,
                   "settings": ctx.pg.settings(), "commit_ms": ctx.commit_ms()}
         harness.log(f"[caps] server: {_server_line(server)}")
         return _caps_runs(ctx, peer, p, server)
-    try:
-        with own_server(p["own_server_options"], keep_log_in=ctx.workdir,
-                        log=lambda m: harness.log(f"[caps] {m}")) as srv:
+    with contextlib.ExitStack() as stack:
+        try:
+            srv = stack.enter_context(own_server(
+                p["own_server_options"], keep_log_in=ctx.workdir,
+                log=lambda m: harness.log(f"[caps] {m}")))
             pg = harness.Postgres(srv.dsn)
-            try:
-                probe = harness.CommitProbe(pg, f"bench_commitprobe_{os.getpid()}")
-                own = dataclasses.replace(ctx, pg=pg, dsn=srv.dsn, commit_probe=probe,
-                                          wal_tools=None)
-                server = {**srv.describe(), "settings": pg.settings(), "local": pg.local,
-                          "commit_ms": probe.median_ms(50 if ctx.smoke else 200)}
-                harness.log(f"[caps] server: {_server_line(server)}")
-                return _caps_runs(own, peer, p, server)
-            finally:
-                pg.close()
-    except (RuntimeError, OSError, psycopg.Error) as exc:
-        raise AdapterFailed(f"caps: own PostgreSQL server: {exc} (--caps-server shared runs "
-                            "on the --dsn server instead)") from exc
+            stack.callback(pg.close)
+            probe = harness.CommitProbe(pg, f"bench_commitprobe_{os.getpid()}")
+        except (RuntimeError, OSError, psycopg.Error) as exc:
+            raise AdapterFailed(f"caps: own PostgreSQL server did not start: {exc} "
+                                "(--caps-server shared runs on the --dsn server)") from exc
+        own = dataclasses.replace(ctx, pg=pg, dsn=srv.dsn, commit_probe=probe, wal_tools=None)
+        server = {**srv.describe(), "settings": pg.settings(), "local": pg.local,
+                  "commit_ms": probe.median_ms(50 if ctx.smoke else 200)}
+        harness.log(f"[caps] server: {_server_line(server)}")
+        return _caps_runs(own, peer, p, server)
+    raise AssertionError("unreachable")
 
 
 def _caps_runs(ctx: Context, peer: Peer, p: dict[str, Any],
@@ -805,17 +806,20 @@ def caps_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
     rs = runs.get("fenceline", [])
     if not rs:
         return ["Caps: fenceline was not measured (adapter not available)."]
-    headers = ["claimers", "in-flight audit", "admissions/s", "refusals/s (cap_full)",
+    headers = ["rep", "claimers", "in-flight audit", "admissions/s", "refusals/s (cap_full)",
                "claim p50 ms", "claim p99 ms", "peak in flight (DB)", "max held (client)",
                "cap", "claimers' CPU s", "host busy cores", "commit ms", "load avg"]
     rows = []
     skipped = []
+    by_count: dict[int, list[dict[str, Any]]] = {}
     for r in rs:
         for o in r["results"]:
             if "skipped" in o:
                 skipped.append(f"{o['claimers']} claimers: {o['skipped']}")
                 continue
+            by_count.setdefault(o["claimers"], []).append(o)
             rows.append([
+                str(r["rep"] + 1),
                 str(o["claimers"]),
                 "on" if o["audit"] else "off",
                 fmt(o["admissions_per_s"]),
@@ -830,6 +834,26 @@ def caps_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
                 fmt(o["commit_ms_before"], 2),
                 " ".join(str(x) for x in o["load_avg"]),
             ])
+    # Per claimer count: throughput and latency from the runs without the audit, the peak
+    # from the runs with it; median (min-max) over the repetitions.
+    short_headers = ["claimers", "admissions/s", "refusals/s", "claim p50 ms", "claim p99 ms",
+                     "peak in flight (exact)", "cap", "host busy cores", "load 1m"]
+    short = []
+    for n, os_ in sorted(by_count.items()):
+        plain = [o for o in os_ if not o["audit"]]
+        peaks = [o["db_peak_in_flight"] for o in os_ if o["audit"]]
+        loads = [o["load_avg"][0] for o in os_]
+        short.append([
+            str(n),
+            fmt_spread(spread(o["admissions_per_s"] for o in plain)),
+            fmt_spread(spread(o["refusals"].get("cap_full", 0) / o["seconds"] for o in plain)),
+            fmt_spread(spread(o["claim_ms_p50"] for o in plain), 1),
+            fmt_spread(spread(o["claim_ms_p99"] for o in plain), 1),
+            f"{max(peaks)} (max of {len(peaks)})" if peaks else "-",
+            str(os_[0]["cap"]),
+            fmt_spread(spread(o.get("host_busy_cores_during") for o in os_), 2),
+            f"{min(loads)}-{max(loads)}",
+        ])
     servers = sorted({_server_line(r["server"]) for r in rs if "server" in r})
     return [
         f"Caps under contention (fenceline only; shards: not applicable: single counter-free "
@@ -842,7 +866,10 @@ def caps_summary(runs: dict[str, list[dict[str, Any]]], baseline: str | None,
         "taken from the runs without it. 'host busy cores': the whole host (2 cores here) "
         "while the claimers ran.",
         *(f"server: {line}" for line in servers),
-        harness.table(headers, rows, right=set(range(0, len(headers) - 1)) - {1}),
+        harness.table(headers, rows, right=set(range(0, len(headers) - 1)) - {2}),
+        "Per claimer count, median (min-max) over the repetitions; throughput and latency "
+        "from the runs without the audit, the peak from the runs with it:",
+        harness.table(short_headers, short, right=set(range(0, len(short_headers) - 1))),
         *skipped,
     ]
 

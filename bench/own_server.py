@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,7 +170,7 @@ def _read_ready(proc: subprocess.Popen[bytes], stderr_path: Path) -> dict[str, A
             if not chunk:
                 proc.wait(timeout=10)
                 raise RuntimeError(f"own PostgreSQL launcher exited {proc.returncode} before "
-                                   f"the server was ready: {_tail(stderr_path)}")
+                                   f"the server was ready: {_tail(stderr_path, 1)}")
             buf += chunk
     return json.loads(buf.split(b"\n", 1)[0])
 
@@ -290,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()
     try:
         trio.run(_serve, args.data_dir, options)
+    except Exception as exc:  # reported on the last stderr line, for the harness
+        traceback.print_exc()
+        while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        print(f"own_server: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         # The harness was killed (stdin closed, we were re-parented): nobody else will remove
         # the scratch folder own_server() made.
