@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import AsyncClientCursor
 
 from fenceline.api import auth
 from fenceline.api.auth import Caller
 from fenceline.api.problems import Problem
+from fenceline.api.statements import Statement
 
 ROLES = ("viewer", "member", "admin", "owner")
 
@@ -87,6 +87,65 @@ def _check(kind: str, row: Any, needed: str) -> Scope:
     return Scope(kind, eid, org_id, project_id, role)
 
 
+def roles_from(needed: str) -> list[str]:
+    """``needed`` and every role above it."""
+    return list(ROLES[ROLES.index(needed):])
+
+
+def statement_sql(caller_sql: str, kind: str | None) -> str:
+    """The caller behind %(token)s and, for a ``kind``, the entity %(id)s and the caller's
+    role there, as one row (user_id, session_id, key_id, key_project, key_role, org_id,
+    project_id, eid, role); no row when the token is unknown, expired or revoked."""
+    if kind is None:
+        return caller_sql
+    return (
+        "select c.user_id, c.session_id, c.key_id, c.key_project, c.key_role,"
+        "       s.org_id, s.project_id, s.eid, s.role"
+        f"  from ({caller_sql}) as c(user_id, session_id, key_id, key_project, key_role)"
+        "  left join lateral ("
+        + _role_in(SCOPES[kind], "c.user_id", "c.key_project", "c.key_role")
+        + ") as s(org_id, project_id, eid, role) on true")
+
+
+# The SQL type of %(id)s per kind of entity.
+ID_TYPES = {"job": "bigint"}
+
+_STATEMENTS: dict[tuple[str, str | None], Statement] = {}
+
+
+def _statement(caller_sql: str, kind: str | None) -> Statement:
+    got = _STATEMENTS.get((caller_sql, kind))
+    if got is None:
+        types = {"token": "bytea"}
+        if kind is not None:
+            types["id"] = ID_TYPES.get(kind, "uuid")
+        got = _STATEMENTS[(caller_sql, kind)] = Statement(statement_sql(caller_sql, kind), types)
+    return got
+
+
+def caller_sql_of(token: str | None) -> str:
+    """The caller query for ``token``'s kind; 401 when no such token can exist."""
+    caller_sql = auth.caller_query(token)
+    if caller_sql is None:
+        raise auth.unauthenticated() if token is None else auth.unauthenticated(
+            "the token is unknown, expired or revoked")
+    return caller_sql
+
+
+def decide(row: Any, kind: str | None, needed: str, *,
+           users_only: bool = False) -> tuple[Caller, Scope | None]:
+    """The answer to the statement's row, in order: 401, 403 (people only), 404, 403."""
+    if row is None:
+        raise auth.unauthenticated("the token is unknown, expired or revoked")
+    caller = (Caller(user_id=row[0], session_id=row[1]) if row[0] is not None
+              else Caller(key_id=row[2], key_project=row[3], key_role=row[4]))
+    if users_only and not caller.is_user:
+        raise Problem(403, "forbidden", "Forbidden", "API keys cannot do this; log in")
+    if kind is None:
+        return caller, None
+    return caller, _check(kind, row[5:9], needed)
+
+
 async def authorise(conn: psycopg.AsyncConnection[Any], token: str | None,
                     scope: tuple[str, Any] | None, needed: str, *, users_only: bool = False,
                     prefix: str = "") -> tuple[Caller, Scope | None]:
@@ -96,39 +155,18 @@ async def authorise(conn: psycopg.AsyncConnection[Any], token: str | None,
     only people may call), 404 (no such entity, or not the caller's), 403 (role below
     ``needed``).
     ``prefix`` is SQL sent ahead of the statement in the same round trip (the request path's
-    ``begin``); the statement is then sent with its values as literals (psycopg's client-side
-    binding, the server's own quoting rules), as one simple-protocol query.
+    ``begin``); the statement is a prepared one run with ``EXECUTE`` and its values as
+    literals (psycopg's client-side binding, the server's own quoting rules), as one
+    simple-protocol query (fenceline/api/statements.py).
     """
-    caller_sql = auth.caller_query(token)
-    if caller_sql is None or token is None:
-        raise auth.unauthenticated() if token is None else auth.unauthenticated(
-            "the token is unknown, expired or revoked")
-    if scope is None:
-        query = caller_sql
-    else:
-        kind = scope[0]
-        query = (
-            "select c.user_id, c.session_id, c.key_id, c.key_project, c.key_role,"
-            "       s.org_id, s.project_id, s.eid, s.role"
-            f"  from ({caller_sql}) as c(user_id, session_id, key_id, key_project, key_role)"
-            "  left join lateral ("
-            + _role_in(SCOPES[kind], "c.user_id", "c.key_project", "c.key_role")
-            + ") as s(org_id, project_id, eid, role) on true")
-    text = AsyncClientCursor(conn).mogrify(
-        query, {"token": auth.token_hash(token), "id": None if scope is None else scope[1]})
-    cur = await conn.execute(prefix + text)
-    if prefix:
-        cur.nextset()
-    row = await cur.fetchone()
-    if row is None:
-        raise auth.unauthenticated("the token is unknown, expired or revoked")
-    caller = (Caller(user_id=row[0], session_id=row[1]) if row[0] is not None
-              else Caller(key_id=row[2], key_project=row[3], key_role=row[4]))
-    if users_only and not caller.is_user:
-        raise Problem(403, "forbidden", "Forbidden", "API keys cannot do this; log in")
-    if scope is None:
-        return caller, None
-    return caller, _check(scope[0], row[5:], needed)
+    caller_sql = caller_sql_of(token)
+    assert token is not None
+    kind = None if scope is None else scope[0]
+    values: dict[str, Any] = {"token": auth.token_hash(token)}
+    if scope is not None:
+        values["id"] = scope[1]
+    cur = await _statement(caller_sql, kind).execute(conn, values, prefix)
+    return decide(await cur.fetchone(), kind, needed, users_only=users_only)
 
 
 async def resolve(conn: psycopg.AsyncConnection[Any], caller: Caller, kind: str,

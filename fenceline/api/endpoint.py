@@ -90,6 +90,29 @@ Handler = Callable[[Call], Awaitable[Reply]]
 
 
 @dataclass
+class Direct:
+    """One request as a direct handler sees it: validated input, nothing sent yet.
+
+    A direct handler answers the whole request with one statement of its own (authorisation,
+    the change and the audit row, committed as one implicit transaction) and must give the
+    same answers, in the same order, as the endpoint's ordinary path. It returns None, having
+    sent nothing, to leave a request to the ordinary path.
+    """
+
+    endpoint: Endpoint
+    conn: psycopg.AsyncConnection[Any]
+    token: str | None
+    params: dict[str, Any]
+    body: Any
+    query: dict[str, Any]
+    headers: Headers
+    request_id: str
+
+
+DirectHandler = Callable[[Direct], Awaitable[Reply | None]]
+
+
+@dataclass
 class Endpoint:
     method: str
     path: str                       # OpenAPI style, without the /api/v1 prefix
@@ -104,6 +127,7 @@ class Endpoint:
     problems: tuple[int, ...]
     audit: str | None
     users_only: bool                # API keys may not call it
+    direct: DirectHandler | None = None   # one statement for the whole request (see Direct)
 
     @property
     def path_params(self) -> list[str]:
@@ -139,10 +163,11 @@ class Resource:
               query: dict[str, Schema] | None = None,
               responses: dict[int, Schema | None], problems: tuple[int, ...] = (),
               audit: str | None = None, users_only: bool = False,
+              direct: DirectHandler | None = None,
               ) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
             ep = Endpoint(method, path, summary, self.tag, handler, role, scope, body,
-                          query or {}, responses, problems, audit, users_only)
+                          query or {}, responses, problems, audit, users_only, direct)
             self.endpoints.append(ep)
             quart_path = PREFIX + re.sub(r"{(\w+)}", r"<\1>", path)
 
@@ -193,6 +218,11 @@ async def _serve(ep: Endpoint, path_values: dict[str, str]) -> Response:
 async def _handle(ep: Endpoint, conn: psycopg.AsyncConnection[Any], token: str | None,
                   params: dict[str, Any], body: Any, query: dict[str, Any],
                   request_id: str) -> Reply:
+    if ep.direct is not None:
+        direct = await ep.direct(Direct(ep, conn, token, params, body, query, request.headers,
+                                        request_id))
+        if direct is not None:
+            return direct
     caller: Caller | None = None
     scope: Scope | None = None
     if ep.role is not None:

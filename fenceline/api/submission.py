@@ -24,8 +24,14 @@ import json
 import uuid
 from typing import Any
 
-from fenceline.api.endpoint import Call, Reply, Resource
+import psycopg
+from psycopg.types.json import Jsonb
+from werkzeug.datastructures import Headers
+
+from fenceline.api import auth, authz
+from fenceline.api.endpoint import Call, Direct, Reply, Resource
 from fenceline.api.problems import Problem
+from fenceline.api.statements import Statement
 from fenceline.api.validation import (
     INT64_MAX,
     any_json,
@@ -37,7 +43,7 @@ from fenceline.api.validation import (
     uuid_string,
 )
 from fenceline.engine import submission as engine
-from fenceline.engine.calls import EngineInputError
+from fenceline.engine.calls import EngineInputError, _raise_engine_error
 
 resource = Resource("submission", "Jobs")
 
@@ -124,7 +130,11 @@ def fingerprint(kind: str, specs: list[dict[str, Any]]) -> bytes:
 
 
 def idempotency_key(call: Call) -> str | None:
-    raw = call.headers.get("Idempotency-Key")
+    return idempotency_key_of(call.headers)
+
+
+def idempotency_key_of(headers: Headers) -> str | None:
+    raw = headers.get("Idempotency-Key")
     if raw is None:
         return None
     key = raw.strip()
@@ -158,10 +168,99 @@ def _engine_problem(exc: EngineInputError) -> Problem:
 # -- endpoints ---------------------------------------------------------------------------
 
 
+def _submitted(got: engine.SubmittedJob, queue_id: uuid.UUID, job_type: str) -> Reply:
+    """The answer to fl.submit_job's row: 201 created, 200 the key's earlier job, or the
+    refusal."""
+    if got.outcome not in ("ok", "existing"):
+        raise _refusal(got.outcome, got.detail)
+    assert got.job_id is not None
+    return Reply(201 if got.outcome == "ok" else 200, {
+        "id": got.job_id, "queue_id": queue_id, "type": job_type, "status": got.status,
+        "priority": got.priority, "run_at": got.run_at, "created_at": got.created_at})
+
+
+# POST /queues/{queue_id}/jobs as ONE statement: the caller and its role on the queue
+# (fenceline.api.authz's statement), fl.submit_job only when that role is member or above,
+# and the audit row only for a job created or found by its key; committed together as the
+# statement's own transaction. Prepared per connection (fenceline/api/statements.py).
+SUBMIT_AUDIT = "job.submit"
+SUBMIT_ROLE = "member"
+SUBMIT_TYPES = {
+    "token": "bytea", "id": "uuid", "type": "text", "payload": "jsonb", "priority": "integer",
+    "run_at": "timestamptz", "delay_ms": "bigint", "timeout_ms": "integer", "policy": "uuid",
+    "depends_on": "bigint[]", "key": "text", "fingerprint": "bytea", "request_id": "text"}
+
+
+def _submit_sql(caller_sql: str) -> str:
+    roles = ", ".join(f"'{r}'" for r in authz.roles_from(SUBMIT_ROLE))
+    return (
+        "with a as materialized (" + authz.statement_sql(caller_sql, "queue") + "),"
+        " s as materialized ("
+        "   select r.outcome, r.job_id, r.status::text, r.priority, r.run_at, r.created_at,"
+        "          r.detail"
+        "     from a cross join lateral fl.submit_job("
+        "            %(id)s::uuid, %(type)s::text, %(payload)s::jsonb, %(priority)s::integer,"
+        "            %(run_at)s::timestamptz, %(delay_ms)s::bigint, %(timeout_ms)s::integer,"
+        "            %(policy)s::uuid, %(depends_on)s::bigint[], %(key)s::text,"
+        "            %(fingerprint)s::bytea) r"
+        f"   where a.role in ({roles})),"
+        " w as ("
+        "   insert into fl.audit_log (org_id, project_id, actor_user, actor_key, action,"
+        "                             entity, entity_id, detail, request_id)"
+        f"  select a.org_id, a.project_id, a.user_id, a.key_id, '{SUBMIT_AUDIT}',"
+        f"         '{SUBMIT_AUDIT.split('.')[0]}', s.job_id::text,"
+        "          jsonb_build_object('queue_id', %(id)s::uuid::text, 'type', %(type)s::text,"
+        "                             'replayed', s.outcome = 'existing'),"
+        "          %(request_id)s::text"
+        "     from a, s where s.outcome in ('ok', 'existing'))"
+        " select a.*, s.* from a left join s on true")
+
+
+SUBMIT_STATEMENTS = {caller_sql: Statement(_submit_sql(caller_sql), SUBMIT_TYPES)
+                     for caller_sql in (auth.SESSION_CALLER, auth.KEY_CALLER)}
+
+
+async def submit_direct(req: Direct) -> Reply | None:
+    """The single submission in one round trip; the same answers as ``submit`` below."""
+    assert req.endpoint.audit == SUBMIT_AUDIT and req.endpoint.role == SUBMIT_ROLE
+    caller_sql = auth.caller_query(req.token)
+    try:
+        # The handler's own checks answer after authorisation: leave them to the ordinary
+        # path, which authorises first.
+        key = idempotency_key_of(req.headers)
+        spec = _spec(req.body, "")
+    except Problem:
+        return None
+    if caller_sql is None or req.token is None:
+        return None
+    queue_id = req.params["queue_id"]
+    values = {
+        "token": auth.token_hash(req.token), "id": queue_id, "type": spec["type"],
+        "payload": Jsonb(spec["payload"]), "priority": spec.get("priority"),
+        "run_at": req.body.get("run_at"), "delay_ms": spec.get("delay_ms"),
+        "timeout_ms": spec.get("timeout_ms"), "policy": req.body.get("retry_policy_id"),
+        "depends_on": spec.get("depends_on"), "key": key,
+        "fingerprint": fingerprint("job", [spec]) if key else None,
+        "request_id": req.request_id}
+    try:
+        cur = await SUBMIT_STATEMENTS[caller_sql].execute(req.conn, values)
+        row = await cur.fetchone()
+    except psycopg.Error as exc:
+        try:
+            _raise_engine_error(exc)
+        except EngineInputError as err:
+            raise _engine_problem(err) from None
+        raise
+    authz.decide(None if row is None else row[:9], "queue", SUBMIT_ROLE)
+    assert row is not None
+    return _submitted(engine.SubmittedJob(*row[9:]), queue_id, spec["type"])
+
+
 @resource.route(
-    "POST", "/queues/{queue_id}/jobs", summary="Submit a job", role="member",
+    "POST", "/queues/{queue_id}/jobs", summary="Submit a job", role=SUBMIT_ROLE,
     scope=("queue", "queue_id"), body=obj(JOB_FIELDS, ["type"]),
-    responses={201: SUBMIT_VIEW, 200: SUBMIT_VIEW}, problems=(409, 429), audit="job.submit")
+    responses={201: SUBMIT_VIEW, 200: SUBMIT_VIEW}, problems=(409, 429), audit=SUBMIT_AUDIT,
+    direct=submit_direct)
 async def submit(call: Call) -> Reply:
     key = idempotency_key(call)
     spec = _spec(call.body, "")
@@ -176,15 +275,12 @@ async def submit(call: Call) -> Reply:
             fingerprint=fingerprint("job", [spec]) if key else None)
     except EngineInputError as exc:
         raise _engine_problem(exc) from None
-    if got.outcome not in ("ok", "existing"):
-        raise _refusal(got.outcome, got.detail)
+    reply = _submitted(got, queue_id, spec["type"])
     assert got.job_id is not None
     call.audit_entity_id = str(got.job_id)
     call.audit_detail = {"queue_id": queue_id, "type": spec["type"],
                          "replayed": got.outcome == "existing"}
-    return Reply(201 if got.outcome == "ok" else 200, {
-        "id": got.job_id, "queue_id": queue_id, "type": spec["type"], "status": got.status,
-        "priority": got.priority, "run_at": got.run_at, "created_at": got.created_at})
+    return reply
 
 
 @resource.route(
