@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import logging
 import socket
+from typing import Any
 
 import trio
+from hypercorn import protocol as hypercorn_protocol
 from hypercorn.config import Config, Sockets
+from hypercorn.events import RawData
+from hypercorn.protocol import h11 as hypercorn_h11
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import serve as hypercorn_serve
 
 from fenceline.api.app import create_app
@@ -19,6 +24,9 @@ from fenceline.config import Settings
 from fenceline.readiness import Readiness
 
 log = logging.getLogger("fenceline.api")
+
+# hypercorn's own h11 (a dependency of hypercorn's, not one of ours).
+h11 = hypercorn_h11.h11  # type: ignore[attr-defined]
 
 GRACEFUL_TIMEOUT = 5.0
 
@@ -43,6 +51,46 @@ class ServerConfig(Config):
                 sock.setsockopt(socket.IPPROTO_TCP, option,
                                 int(self.send_stall_timeout * 1000))
         return sockets
+
+
+class OneWriteH11Protocol(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, writing a sized response's head and body in one send.
+
+    hypercorn writes the head of a response as soon as the app starts it, and the body as a
+    second write. On loopback each write is a system call that also runs the receiver's TCP
+    path and wakes it, and a small JSON answer paid for two. A head that carries a
+    Content-Length (everything but a streamed answer, which stays as it was: its head goes
+    out at once) is now held until the next write of the response, its body or its end,
+    which the app sends right after it.
+    """
+
+    _held = b""
+
+    async def _send_h11_event(self, event: Any) -> None:
+        if isinstance(event, h11.Response) and any(
+                name == b"content-length" for name, _ in event.headers):
+            try:
+                self._held = self.connection.send(event) or b""
+            except h11.LocalProtocolError:
+                if self.connection.their_state != h11.ERROR:
+                    raise
+            return
+        held, self._held = self._held, b""
+        if not held:
+            await super()._send_h11_event(event)
+            return
+        try:
+            data = self.connection.send(event) or b""
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            data = b""
+        await self.send(RawData(data=held + data))
+
+
+# hypercorn's connection wrapper picks its HTTP/1.1 protocol by this module-level name; every
+# server of this process (fenceline's is the only one) uses the one above from here on.
+hypercorn_protocol.H11Protocol = OneWriteH11Protocol  # type: ignore[attr-defined]
 
 
 def hypercorn_config(settings: Settings) -> ServerConfig:
