@@ -16,6 +16,10 @@ no connection is ever put in pipeline mode by it.
   replaced is a new object and prepares again on first use; one closed is forgotten.
 - The first use on a connection sends ``PREPARE`` as a query of its own (once per connection
   and statement); "already exists" (42P05) counts as prepared.
+- Only a statement that begins its transaction (sent alone in autocommit, or after the
+  request path's ``begin;``) runs prepared; inside a transaction the caller already opened
+  (the event stream's re-authorisation) it goes as text, so a forgotten statement can
+  always be sent again without losing the caller's work.
 - If the server no longer knows a statement we prepared (26000: a connection pooler in
   transaction mode, such as PgBouncer, handed us another server session, or something ran
   ``DEALLOCATE``/``DISCARD``), the connection's record is dropped and the query is sent again
@@ -93,17 +97,19 @@ class Statement:
 
     async def execute(self, conn: psycopg.AsyncConnection[Any], values: dict[str, Any],
                       prefix: str = "") -> psycopg.AsyncCursor[Any]:
-        """The cursor, positioned on this statement's result (after ``prefix``'s)."""
+        """The cursor, positioned on this statement's result (after ``prefix``'s).
+
+        Prepared only when no transaction is open yet (the statement or ``prefix`` begins
+        it), so that a statement the server forgot can be sent again as text; inside a
+        caller's open transaction it goes as text.
+        """
         prepared = await self._ready(conn)
-        idle = conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
         try:
             cur = await conn.execute(prefix + self.text(conn, values, prepared=prepared))
         except psycopg.errors.InvalidSqlStatementName:
             if not prepared:
                 raise
             self._lost(conn)
-            if not idle:
-                raise   # the caller's transaction was open before: it is lost with it
             if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 await conn.rollback()   # only what ``prefix`` began
             cur = await conn.execute(prefix + self.text(conn, values, prepared=False))
@@ -112,16 +118,14 @@ class Statement:
         return cur
 
     async def _ready(self, conn: psycopg.AsyncConnection[Any]) -> bool:
-        if not _State.enabled:
+        if (not _State.enabled
+                or conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE):
             return False
         done = _prepared.get(conn)
         if done is None:
             done = _prepared[conn] = set()
         if self.name in done:
             return True
-        if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            # Only prepare between transactions: a failed PREPARE must not end the caller's.
-            return False
         with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):
             await conn.execute(self.prepare_sql)
         done.add(self.name)

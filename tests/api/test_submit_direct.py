@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fenceline.api import statements, submission
+from fenceline.api import authz, statements, submission
 from fenceline.api.endpoint import Endpoint
 from fenceline.db.connection import TrioConnection
 from fenceline.db.pool import Pool
@@ -193,3 +193,25 @@ async def test_unprepared_answers_alike(api: Api, tenant: Tenant) -> None:
     finally:
         statements.set_enabled(True)
     assert prepared == plain
+
+
+async def test_inside_an_open_transaction_statements_go_as_text(pool: Pool, api: Api,
+                                                                tenant: Tenant) -> None:
+    token = tenant.tokens["member"]
+    async with pool.connection() as conn:
+        await conn.execute("deallocate all")
+        async with conn.transaction():
+            _, scope = await authz.authorise(conn, token, ("queue", tenant.queue_id),
+                                             "viewer")
+            assert scope is not None and scope.role == "member"
+            assert await _prepared_names(conn) == set()
+        # Between transactions it is prepared (and, after begin, run from the statement).
+        await authz.authorise(conn, token, ("queue", tenant.queue_id), "viewer",
+                              prefix="begin; ")
+        assert len(await _prepared_names(conn)) == 1
+        await conn.execute("rollback")
+        await conn.execute("deallocate all")
+        async with conn.transaction():
+            # The server forgot it, and a transaction is open: still answered, as text.
+            await authz.authorise(conn, token, ("queue", tenant.queue_id), "viewer")
+    statements.set_enabled(True)
