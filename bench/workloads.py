@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench import harness
 from bench.harness import Postgres, Probe, Sampler, fmt, fmt_spread, ratio, spread
 from bench.peers import AdapterFailed, Peer, PeerUnavailable
@@ -109,6 +111,14 @@ def worker_window(
         ctx.pg.release_wal(slot)
 
 
+def _backend_cpu(pid: int) -> float:
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return float("nan")
+    return float(t.user + t.system)
+
+
 def _worker_window(
     ctx: Context,
     peer: Peer,
@@ -138,10 +148,12 @@ def _worker_window(
     try:
         t_ready, line = worker.wait_line("ready", timeout=120)
         s0 = sampler.sample(worker.pid)
+        probe_cpu0 = _backend_cpu(probe.pid)
         ready_wall = float(line.split()[1])
         extra = during() if during else {}
         drained, t_end = probe.wait_empty(drain_timeout)
         s1 = sampler.sample(worker.pid)
+        probe_cpu = _backend_cpu(probe.pid) - probe_cpu0
         stall = None if drained else ctx.pg.activity(db)
         checkpoints = ctx.pg.checkpoints() - checkpoints0
         rss = harness.peak_rss_mb(worker.pid)
@@ -183,6 +195,9 @@ def _worker_window(
         "duplicates": len(ids) - len(set(ids)),
         "commits": xacts,
         "probe_queries": probe.queries,
+        # The probe's backend is left out of pg_cpu_s; its own cost is here so that a probe
+        # that scans (and takes CPU from the worker on this 2-core host) shows.
+        "probe_cpu_s": probe_cpu,
         "worker_peak_rss_mb": rss,
         "worker_self": {k: result.get(k) for k in ("cpu_s", "maxrss_mb")},
         "first_start_after_ready_ms": (
@@ -268,6 +283,7 @@ BURNDOWN_COLUMNS: list[tuple[str, str, int]] = [
     ("worker_peak_rss_mb", "worker peak RSS MB", 0),
     ("commit_ms_before", "commit ms", 2),
     ("checkpoints_in_window", "ckpts", 0),
+    ("probe_cpu_s", "probe CPU s", 2),
 ]
 
 

@@ -55,9 +55,15 @@ SOURCES = [
     "pgqueuer docs/guides/performance-tuning.md (batch_size, max_concurrent_tasks >= 2x batch,"
     " dedicated asyncpg connection, durability, pgq autovac)",
 ]
+# Shaped for pgqueuer's own partial indexes (priority, id desc) where queued and (updated, id
+# desc) where picked: a plain `exists(... where status = ...)` is planned as a sequential scan,
+# which reads past every deleted row left in the table (autovacuum is off on the shared
+# server) on each 5 ms probe and takes CPU from the worker being measured.
 REMAINING_SQL = (
-    "exists(select 1 from pgqueuer where status = 'queued')"
-    " or exists(select 1 from pgqueuer where status = 'picked')"
+    "exists(select 1 from (select 1 from pgqueuer where status = 'queued'"
+    " order by priority, id desc limit 1) q)"
+    " or exists(select 1 from (select 1 from pgqueuer where status = 'picked'"
+    " order by updated, id desc limit 1) p)"
 )
 
 
