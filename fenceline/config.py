@@ -158,6 +158,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("api_allowed_origins", "--api-allowed-origins", "API_ALLOWED_ORIGINS", parse_origins,
             "", "API role: comma-separated origins (scheme://host[:port], '*' wildcards) allowed "
             "to open the event websocket; empty = same origin only."),
+    Setting("api_prepare", "--api-prepare", "FENCELINE_API_PREPARE",
+            parse_choice(("on", "off")), "on",
+            "API role: run the API's fixed statements as server-side prepared statements. "
+            "'off' for a connection pooler in transaction mode (PgBouncer); on, the API "
+            "switches itself off after three vanished statements."),
     Setting("reaper_interval", "--reaper-interval", "FENCELINE_REAPER_INTERVAL", parse_seconds,
             "1", "Scheduler role: seconds between reaper passes (expired leases)."),
     Setting("promoter_interval", "--promoter-interval", "FENCELINE_PROMOTER_INTERVAL",
@@ -190,6 +195,7 @@ class Settings:
     handlers: str | None = None
     password_profile: str = "standard"
     api_allowed_origins: tuple[str, ...] = ()
+    api_prepare: str = "on"
     reaper_interval: float = 1.0
     promoter_interval: float = 1.0
     breaker_interval: float = 1.0

@@ -21,6 +21,7 @@ from fenceline.api import (
     policies,
     projects,
     queues,
+    statements,
     stream,
     submission,
     workers,
@@ -54,6 +55,7 @@ def create_app(readiness: Readiness, settings: Settings | None = None) -> QuartT
     app.config["FENCELINE_READINESS"] = readiness
     app.config["FENCELINE_SETTINGS"] = settings
     app.config["FENCELINE_PASSWORDS"] = Passwords(settings.password_profile)
+    statements.set_enabled(settings.api_prepare == "on")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["JSON_SORT_KEYS"] = False
     app.register_blueprint(health.blueprint)

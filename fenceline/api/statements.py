@@ -25,7 +25,8 @@ no connection is ever put in pipeline mode by it.
   ``DEALLOCATE``/``DISCARD``), the connection's record is dropped and the query is sent again
   as plain text. After ``MAX_LOST`` such losses the process stops preparing altogether and
   logs it once: behind PgBouncer in transaction mode every statement goes as text, as before.
-  ``FENCELINE_API_PREPARE=off`` (environment) does that from the start.
+  The ``api_prepare`` setting (``--api-prepare off`` / ``FENCELINE_API_PREPARE=off``) does
+  that from the start.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import re
 import weakref
 from typing import Any
@@ -51,8 +51,7 @@ _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
 
 class _State:
-    enabled = os.environ.get("FENCELINE_API_PREPARE", "on").strip().lower() not in (
-        "off", "0", "false", "no")
+    enabled = True  # the api_prepare setting (--api-prepare), applied by create_app
     lost = 0
 
 
@@ -65,7 +64,7 @@ def enabled() -> bool:
 
 
 def set_enabled(value: bool) -> None:
-    """Switch preparing on or off for this process (tests; the environment sets it)."""
+    """Switch preparing on or off for this process (the api_prepare setting; tests)."""
     _State.enabled = value
     _State.lost = 0
 

@@ -15,9 +15,12 @@ from typing import Any
 import pytest
 
 from fenceline.api import authz, statements, submission
+from fenceline.api.app import create_app
 from fenceline.api.endpoint import Endpoint
+from fenceline.config import Settings
 from fenceline.db.connection import TrioConnection
 from fenceline.db.pool import Pool
+from fenceline.readiness import Readiness
 from tests.api.conftest import Api, Tenant
 
 # -- the direct handler against the ordinary path -------------------------------------------
@@ -215,3 +218,15 @@ async def test_inside_an_open_transaction_statements_go_as_text(pool: Pool, api:
             # The server forgot it, and a transaction is open: still answered, as text.
             await authz.authorise(conn, token, ("queue", tenant.queue_id), "viewer")
     statements.set_enabled(True)
+
+
+async def test_the_api_prepare_setting_switches_preparing(pool: Pool) -> None:
+    try:
+        create_app(Readiness(pool=pool, reason=None),
+                   Settings(password_profile="minimal", api_prepare="off"))
+        assert not statements.enabled()
+        create_app(Readiness(pool=pool, reason=None),
+                   Settings(password_profile="minimal", api_prepare="on"))
+        assert statements.enabled()
+    finally:
+        statements.set_enabled(True)

@@ -57,6 +57,7 @@ def test_empty_environment_value_means_unset() -> None:
         (["--lease", "nan"], {}, "positive number of seconds"),
         (["--log-level", "loud"], {}, "must be one of debug, info"),
         (["--password-profile", "fast"], {}, "must be one of standard, minimal"),
+        ([], {"FENCELINE_API_PREPARE": "maybe"}, "must be one of on, off"),
         ([], {"API_ALLOWED_ORIGINS": "https://ok.example, example.com"},
          "must look like https://example.com"),
     ],
