@@ -46,9 +46,29 @@ class Job:
     _progress_dirty: bool = field(default=False, repr=False)
     _logs: list[tuple[str, str, dt.datetime]] = field(default_factory=list, repr=False)
     _dropped_logs: int = field(default=0, repr=False)
-    # Set when the attempt is cancelled (lease lost, drain timeout). Sync handlers running in
-    # a thread cannot be interrupted: they should check it and return early.
-    cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Made on first use: most handlers never look, and a threading.Event (a Condition and
+    # two locks) per job was about 3 % of a busy worker's CPU. The runtime makes it before a
+    # sync handler's thread starts, so both threads always see the same one.
+    _cancelled: threading.Event | None = field(default=None, repr=False)
+    _cancel_set: bool = field(default=False, repr=False)
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set when the attempt is cancelled (lease lost, drain timeout).
+
+        Sync handlers run in a thread and cannot be interrupted: they should check it and
+        return early.
+        """
+        if self._cancelled is None:
+            self._cancelled = threading.Event()
+            if self._cancel_set:
+                self._cancelled.set()
+        return self._cancelled
+
+    def _mark_cancelled(self) -> None:
+        self._cancel_set = True
+        if self._cancelled is not None:
+            self._cancelled.set()
 
     async def progress(self, value: Any) -> None:
         """Record progress; it rides on the next heartbeat (no extra round trip)."""

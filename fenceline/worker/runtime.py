@@ -227,6 +227,7 @@ class _Run:
             if held.cancel_reason is None and not held.scope.cancel_called:
                 held.cancel_reason = "drain"
                 held.scope.cancel()
+                held.job._mark_cancelled()  # as the heartbeat does: before the handler unwinds
         handlers.cancel_scope.deadline = trio.current_time() + CLEANUP_TIMEOUT
 
     # -- claiming ------------------------------------------------------------------------------
@@ -300,19 +301,21 @@ class _Run:
                 return
             held.started = True
             outcome: tuple[str, Any] | None = None
+            # One scope for both ways a handler is stopped: its deadline, and a cancel with a
+            # reason (lease lost, cancel requested, drain). No reason means the deadline.
+            held.scope.deadline = _trio_time_of(job.deadline_at)
             with held.scope:
-                with trio.move_on_at(_trio_time_of(job.deadline_at)) as deadline:
-                    try:
-                        result = await _invoke(handler, job)
-                        outcome = ("complete", result)
-                    except Snooze as snooze:
-                        outcome = ("snooze", snooze.seconds)
-                    except PermanentError as exc:
-                        outcome = ("permanent", exc)
-                    except Exception as exc:
-                        outcome = ("retryable", exc)
-                if deadline.cancelled_caught:
-                    outcome = ("timeout", None)
+                try:
+                    result = await _invoke(handler, job)
+                    outcome = ("complete", result)
+                except Snooze as snooze:
+                    outcome = ("snooze", snooze.seconds)
+                except PermanentError as exc:
+                    outcome = ("permanent", exc)
+                except Exception as exc:
+                    outcome = ("retryable", exc)
+            if held.scope.cancelled_caught and held.cancel_reason is None:
+                outcome = ("timeout", None)
             if outcome is None:
                 await self._after_cancel(held)
                 return
@@ -330,7 +333,7 @@ class _Run:
             else:
                 await self._report_fail(held, kind, _describe(value), type(value).__name__)
         finally:
-            job.cancelled.set()
+            job._mark_cancelled()
             self._free_slot_once(held)
 
     def _free_slot_once(self, held: _Held) -> None:
@@ -340,7 +343,7 @@ class _Run:
 
     async def _after_cancel(self, held: _Held) -> None:
         job = held.job
-        job.cancelled.set()
+        job._mark_cancelled()
         reason = held.cancel_reason
         if reason == "lost":
             self.w.stats.lost_leases += 1
@@ -487,11 +490,11 @@ class _Run:
             if out.outcome == "fenced":
                 h.cancel_reason = "lost"
                 h.scope.cancel()
-                h.job.cancelled.set()
+                h.job._mark_cancelled()
             elif out.outcome == "cancel_requested" and h.cancel_reason is None:
                 h.cancel_reason = "cancel_requested"
                 h.scope.cancel()
-                h.job.cancelled.set()
+                h.job._mark_cancelled()
         for h in held:
             if h.job._logs and h.job.id in self.held:
                 await self._flush_logs(h)
@@ -506,8 +509,11 @@ async def _invoke(handler: Handler, job: Job) -> Any:
     if inspect.iscoroutinefunction(handler):
         return await handler(job)
     # A sync handler runs in a thread; on cancel the thread is abandoned and
-    # job.cancelled is set so a cooperative handler can stop.
+    # job.cancelled is set so a cooperative handler can stop. Made here, before the thread
+    # starts, so that the thread and the runtime share one Event.
+    job.cancelled  # noqa: B018
     return await trio.to_thread.run_sync(handler, job, abandon_on_cancel=True)
+
 
 
 def _trio_time_of(when: dt.datetime) -> float:

@@ -301,6 +301,57 @@ async def test_sync_handlers_run_in_a_thread(engine: Engine, dsn: str) -> None:
     assert engine.val("select result from fl.attempts") == 4
 
 
+async def test_a_sync_handler_sees_job_cancelled_when_the_drain_times_out(
+        engine: Engine, dsn: str) -> None:
+    queue = engine.make_queue()
+    job_id = engine.submit(queue, "cooperative")
+    worker = Worker(str(queue), drain_timeout=0.3)
+    started = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    seen: list[bool] = []
+
+    @worker.handler("cooperative")
+    def cooperative(job: fenceline.Job) -> None:
+        token.run_sync_soon(started.set)
+        # A sync handler cannot be interrupted: it waits on the Event it was handed.
+        seen.append(job.cancelled.wait(WAIT))
+
+    async with trio.open_nursery() as nursery:
+        run = await start(nursery, worker, dsn)
+        with trio.fail_after(WAIT):
+            await started.wait()
+        run.draining.set()
+    with trio.fail_after(WAIT):
+        while not seen:
+            await trio.sleep(0.01)
+    assert seen == [True]
+    assert engine.val("select status::text from fl.jobs where id = %s", (job_id,)) == "queued"
+
+
+async def test_job_cancelled_is_set_for_a_handler_that_looks_only_after_the_cancel(
+        engine: Engine, dsn: str) -> None:
+    queue = engine.make_queue()
+    engine.submit(queue, "late")
+    worker = Worker(str(queue), drain_timeout=0.2)
+    started = trio.Event()
+    seen: list[bool] = []
+
+    @worker.handler("late")
+    async def late(job: fenceline.Job) -> None:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            seen.append(job.cancelled.is_set())  # first use of the Event, after the cancel
+
+    async with trio.open_nursery() as nursery:
+        run = await start(nursery, worker, dsn)
+        with trio.fail_after(WAIT):
+            await started.wait()
+        run.draining.set()
+    assert seen == [True]
+
+
 def test_bad_worker_arguments() -> None:
     with pytest.raises(ValueError, match="concurrency"):
         Worker("q", concurrency=0)
