@@ -306,7 +306,7 @@ async def test_a_sync_handler_sees_job_cancelled_when_the_drain_times_out(
     queue = engine.make_queue()
     job_id = engine.submit(queue, "cooperative")
     worker = Worker(str(queue), drain_timeout=0.3)
-    started = trio.Event()
+    started, returned = trio.Event(), trio.Event()
     token = trio.lowlevel.current_trio_token()
     seen: list[bool] = []
 
@@ -315,6 +315,7 @@ async def test_a_sync_handler_sees_job_cancelled_when_the_drain_times_out(
         token.run_sync_soon(started.set)
         # A sync handler cannot be interrupted: it waits on the Event it was handed.
         seen.append(job.cancelled.wait(WAIT))
+        token.run_sync_soon(returned.set)
 
     async with trio.open_nursery() as nursery:
         run = await start(nursery, worker, dsn)
@@ -322,8 +323,7 @@ async def test_a_sync_handler_sees_job_cancelled_when_the_drain_times_out(
             await started.wait()
         run.draining.set()
     with trio.fail_after(WAIT):
-        while not seen:
-            await trio.sleep(0.01)
+        await returned.wait()  # the abandoned thread returns once the Event is set
     assert seen == [True]
     assert engine.val("select status::text from fl.jobs where id = %s", (job_id,)) == "queued"
 
