@@ -168,6 +168,17 @@ def _engine_problem(exc: EngineInputError) -> Problem:
 # -- endpoints ---------------------------------------------------------------------------
 
 
+def _job_args(body: dict[str, Any], spec: dict[str, Any], key: str | None) -> dict[str, Any]:
+    """fl.submit_job's arguments for one job, by engine.submit_job's keyword names (the
+    ordinary path calls it with them; the one-statement path binds them by the same names)."""
+    return {
+        "job_type": spec["type"], "payload": spec["payload"], "priority": spec.get("priority"),
+        "run_at": body.get("run_at"), "delay_ms": spec.get("delay_ms"),
+        "timeout_ms": spec.get("timeout_ms"), "retry_policy_id": body.get("retry_policy_id"),
+        "depends_on": spec.get("depends_on"), "idempotency_key": key,
+        "fingerprint": fingerprint("job", [spec]) if key else None}
+
+
 def _submitted(got: engine.SubmittedJob, queue_id: uuid.UUID, job_type: str) -> Reply:
     """The answer to fl.submit_job's row: 201 created, 200 the key's earlier job, or the
     refusal."""
@@ -186,9 +197,10 @@ def _submitted(got: engine.SubmittedJob, queue_id: uuid.UUID, job_type: str) -> 
 SUBMIT_AUDIT = "job.submit"
 SUBMIT_ROLE = "member"
 SUBMIT_TYPES = {
-    "token": "bytea", "id": "uuid", "type": "text", "payload": "jsonb", "priority": "integer",
-    "run_at": "timestamptz", "delay_ms": "bigint", "timeout_ms": "integer", "policy": "uuid",
-    "depends_on": "bigint[]", "key": "text", "fingerprint": "bytea", "request_id": "text"}
+    "token": "bytea", "id": "uuid", "job_type": "text", "payload": "jsonb",
+    "priority": "integer", "run_at": "timestamptz", "delay_ms": "bigint",
+    "timeout_ms": "integer", "retry_policy_id": "uuid", "depends_on": "bigint[]",
+    "idempotency_key": "text", "fingerprint": "bytea", "request_id": "text"}
 
 
 def _submit_sql(caller_sql: str) -> str:
@@ -199,9 +211,10 @@ def _submit_sql(caller_sql: str) -> str:
         "   select r.outcome, r.job_id, r.status::text, r.priority, r.run_at, r.created_at,"
         "          r.detail"
         "     from a cross join lateral fl.submit_job("
-        "            %(id)s::uuid, %(type)s::text, %(payload)s::jsonb, %(priority)s::integer,"
-        "            %(run_at)s::timestamptz, %(delay_ms)s::bigint, %(timeout_ms)s::integer,"
-        "            %(policy)s::uuid, %(depends_on)s::bigint[], %(key)s::text,"
+        "            %(id)s::uuid, %(job_type)s::text, %(payload)s::jsonb,"
+        "            %(priority)s::integer, %(run_at)s::timestamptz, %(delay_ms)s::bigint,"
+        "            %(timeout_ms)s::integer, %(retry_policy_id)s::uuid,"
+        "            %(depends_on)s::bigint[], %(idempotency_key)s::text,"
         "            %(fingerprint)s::bytea) r"
         f"   where a.role in ({roles})),"
         " w as ("
@@ -209,7 +222,7 @@ def _submit_sql(caller_sql: str) -> str:
         "                             entity, entity_id, detail, request_id)"
         f"  select a.org_id, a.project_id, a.user_id, a.key_id, '{SUBMIT_AUDIT}',"
         f"         '{SUBMIT_AUDIT.split('.')[0]}', s.job_id::text,"
-        "          jsonb_build_object('queue_id', %(id)s::uuid::text, 'type', %(type)s::text,"
+        "          jsonb_build_object('queue_id', %(id)s::uuid::text, 'type', %(job_type)s::text,"
         "                             'replayed', s.outcome = 'existing'),"
         "          %(request_id)s::text"
         "     from a, s where s.outcome in ('ok', 'existing'))"
@@ -234,14 +247,9 @@ async def submit_direct(req: Direct) -> Reply | None:
     if caller_sql is None or req.token is None:
         return None
     queue_id = req.params["queue_id"]
-    values = {
-        "token": auth.token_hash(req.token), "id": queue_id, "type": spec["type"],
-        "payload": Jsonb(spec["payload"]), "priority": spec.get("priority"),
-        "run_at": req.body.get("run_at"), "delay_ms": spec.get("delay_ms"),
-        "timeout_ms": spec.get("timeout_ms"), "policy": req.body.get("retry_policy_id"),
-        "depends_on": spec.get("depends_on"), "key": key,
-        "fingerprint": fingerprint("job", [spec]) if key else None,
-        "request_id": req.request_id}
+    args = _job_args(req.body, spec, key)
+    values = {"token": auth.token_hash(req.token), "id": queue_id,
+              "request_id": req.request_id, **args, "payload": Jsonb(args["payload"])}
     try:
         cur = await SUBMIT_STATEMENTS[caller_sql].execute(req.conn, values)
         row = await cur.fetchone()
@@ -266,13 +274,7 @@ async def submit(call: Call) -> Reply:
     spec = _spec(call.body, "")
     queue_id = call.params["queue_id"]
     try:
-        got = await engine.submit_job(
-            call.conn, queue_id, spec["type"], spec["payload"],
-            priority=spec.get("priority"), run_at=call.body.get("run_at"),
-            delay_ms=spec.get("delay_ms"), timeout_ms=spec.get("timeout_ms"),
-            retry_policy_id=call.body.get("retry_policy_id"),
-            depends_on=spec.get("depends_on"), idempotency_key=key,
-            fingerprint=fingerprint("job", [spec]) if key else None)
+        got = await engine.submit_job(call.conn, queue_id, **_job_args(call.body, spec, key))
     except EngineInputError as exc:
         raise _engine_problem(exc) from None
     reply = _submitted(got, queue_id, spec["type"])
