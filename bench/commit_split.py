@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +29,10 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 from bench import harness  # noqa: E402
 
+sys.path.insert(0, str(BENCH_DIR / "adapters"))
+# The harness's own probe for fenceline: index-shaped, not a scan of fl.jobs (BENCHMARKS, Method).
+from fenceline_worker import REMAINING_SQL  # noqa: E402
+
 TOP_LEVEL = ("claim", "complete", "extend_leases", "worker_heartbeat", "register_worker")
 
 
@@ -38,14 +41,11 @@ def main() -> None:
     ap.add_argument("--dsn", default=os.environ.get("BENCH_DSN", harness.DEFAULT_DSN))
     ap.add_argument("--jobs", type=int, default=20_000)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="fl-commits-"))
-    commit = harness.pin_fenceline_migrations(work)
-    pg = harness.Postgres(args.dsn)
-    db = f"bench_commit_split_{os.getpid()}"
-    pg.fresh_database(db)
+    scratch = harness.scratch_database(args.dsn, f"bench_commit_split_{os.getpid()}")
+    pg, db, url, commit, work = (scratch.pg, scratch.name, scratch.url, scratch.commit,
+                                 scratch.work)
     pg.conn.execute(sql.SQL("alter database {} set track_functions = 'pl'").format(
         sql.Identifier(db)))
-    url = harness.url_for(args.dsn, db)
     adapter = [sys.executable, str(BENCH_DIR / "adapters" / "fenceline_worker.py")]
     try:
         subprocess.run([*adapter, "setup", "--dsn", url], check=True, capture_output=True)
@@ -54,8 +54,7 @@ def main() -> None:
         pg.analyze_and_checkpoint(db, checkpoint=False)
         pg.wait_database_idle(db)
         xact0 = pg.transactions(db)
-        probe = harness.Probe(url, "exists(select 1 from fl.jobs where status in"
-                              " ('queued', 'running'))")
+        probe = harness.Probe(url, REMAINING_SQL)
         worker = subprocess.Popen([*adapter, "work", "--dsn", url, "--records",
                                    str(work / "records.json")], stdout=subprocess.PIPE,
                                   text=True)

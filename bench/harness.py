@@ -13,6 +13,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -226,6 +227,26 @@ class CommitProbe:
 
     def drop(self) -> None:
         self.pg.drop_database(self.dbname)
+
+
+@dataclass
+class ScratchDatabase:
+    """A fresh database for a profiling aid, with fenceline's migrations pinned (below)."""
+
+    pg: Postgres
+    name: str
+    url: str
+    commit: str | None
+    work: Path  # a new temporary folder for the aid's files
+
+
+def scratch_database(dsn: str, name: str) -> ScratchDatabase:
+    """Pin the migrations into a new temporary folder and create database ``name`` afresh."""
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    commit = pin_fenceline_migrations(work)
+    pg = Postgres(dsn)
+    pg.fresh_database(name)
+    return ScratchDatabase(pg, name, url_for(dsn, name), commit, work)
 
 
 def pin_fenceline_migrations(workdir: Path) -> str | None:

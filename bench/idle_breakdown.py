@@ -24,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,12 +43,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=40)
     ap.add_argument("--interval", type=float, default=0.5)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="fenceline-idle-"))
-    commit = harness.pin_fenceline_migrations(work)
-    pg = harness.Postgres(args.dsn)
-    db = f"bench_idle_breakdown_{os.getpid()}"
-    pg.fresh_database(db)
-    url = harness.url_for(args.dsn, db)
+    scratch = harness.scratch_database(args.dsn, f"bench_idle_breakdown_{os.getpid()}")
+    pg, db, url, commit, work = (scratch.pg, scratch.name, scratch.url, scratch.commit,
+                                 scratch.work)
     adapter = [sys.executable, str(BENCH_DIR / "adapters" / "fenceline_worker.py")]
     worker = None
     try:

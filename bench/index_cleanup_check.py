@@ -21,7 +21,6 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,11 +39,8 @@ def main() -> None:
     ap.add_argument("--dsn", default=os.environ.get("BENCH_DSN", harness.DEFAULT_DSN))
     ap.add_argument("--rows", type=int, default=10_000_000)
     args = ap.parse_args()
-    commit = harness.pin_fenceline_migrations(Path(tempfile.mkdtemp(prefix="fl-ixcheck-")))
-    pg = harness.Postgres(args.dsn)
-    db = f"bench_index_cleanup_{os.getpid()}"
-    pg.fresh_database(db)
-    url = harness.url_for(args.dsn, db)
+    scratch = harness.scratch_database(args.dsn, f"bench_index_cleanup_{os.getpid()}")
+    pg, db, url, commit = scratch.pg, scratch.name, scratch.url, scratch.commit
     print(f"schema: git {commit}; load {os.getloadavg()[0]:.2f}", flush=True)
     try:
         subprocess.run([sys.executable, str(BENCH_DIR / "adapters" / "fenceline_worker.py"),
