@@ -133,7 +133,9 @@ async def complete(conn: Conn, worker_id: uuid.UUID, ids: Sequence[int],
     rows = await _rows(
         conn, "select job_id, fence, outcome from fl.complete(%s, %s, %s, %s::jsonb[])",
         (worker_id, list(ids), list(fences),
-         [json.dumps(r) if r is not None else None for r in results]),
+         # All None (the usual case): NULL, which the function reads as no results.
+         None if all(r is None for r in results)
+         else [json.dumps(r) if r is not None else None for r in results]),
     )
     return [JobOutcome(*r) for r in rows]
 

@@ -26,6 +26,7 @@ import inspect
 import logging
 import os
 import socket
+import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,7 @@ class _Held:
 
     job: Job
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    deadline: float = 0.0  # the handler's deadline on the Trio clock
     started: bool = False
     slot_freed: bool = False
     cancel_reason: str | None = None  # lost | cancel_requested | drain
@@ -149,6 +151,7 @@ class _Run:
         self.claim_link = Link(dsn, "claim")
         self.report_link = Link(dsn, "report")
         self.held: dict[int, _Held] = {}
+        self.is_async = {t: inspect.iscoroutinefunction(h) for t, h in worker.handlers.items()}
         self.running = 0  # handlers running (slots in use)
         self.wake = trio.Event()
         self.worker_id = uuid.uuid4()  # replaced by the registered id
@@ -235,14 +238,18 @@ class _Run:
     async def _claim_loop(self, handlers: trio.Nursery) -> None:
         types = sorted(self.w.handlers)
         while True:
+            # A fresh event before looking: whatever happens from here on (a slot frees, a
+            # notification) wakes the wait below, and nothing that happened before does.
+            self.wake = trio.Event()
             free = self.w.concurrency - self.running
             wait_until: float | None = None
             if free > 0:
-                self.wake = trio.Event()
                 result = await self.claim_link.call(
                     functools.partial(self._claim, types=types, n=free))
-                for claimed in result.jobs:
-                    self._start(handlers, claimed)
+                if result.jobs:
+                    offset = _wall_to_trio()  # one clock reading for the whole batch
+                    for claimed in result.jobs:
+                        self._start(handlers, claimed, offset)
                 if len(result.jobs) == free:
                     continue  # there may be more: claim again as soon as a slot frees
                 if result.retry_at is not None:
@@ -256,11 +263,12 @@ class _Run:
     async def _claim(self, conn: Any, *, types: list[str], n: int) -> calls.ClaimResult:
         return await calls.claim(conn, self.queue_id, self.worker_id, types, n, self.w.lease)
 
-    def _start(self, handlers: trio.Nursery, claimed: calls.ClaimedJob) -> None:
+    def _start(self, handlers: trio.Nursery, claimed: calls.ClaimedJob,
+               wall_to_trio: float) -> None:
         job = Job(id=claimed.id, type=claimed.type, payload=claimed.payload,
                   fence=claimed.fence, attempt=claimed.attempt, queue_id=self.queue_id,
                   deadline_at=claimed.deadline_at)
-        held = _Held(job)
+        held = _Held(job, deadline=wall_to_trio + claimed.deadline_at.timestamp())
         self.held[job.id] = held
         self.running += 1
         self.w.stats.claimed += 1
@@ -303,10 +311,10 @@ class _Run:
             outcome: tuple[str, Any] | None = None
             # One scope for both ways a handler is stopped: its deadline, and a cancel with a
             # reason (lease lost, cancel requested, drain). No reason means the deadline.
-            held.scope.deadline = _trio_time_of(job.deadline_at)
+            held.scope.deadline = held.deadline
             with held.scope:
                 try:
-                    result = await _invoke(handler, job)
+                    result = await _invoke(handler, job, self.is_async[job.type])
                     outcome = ("complete", result)
                 except Snooze as snooze:
                     outcome = ("snooze", snooze.seconds)
@@ -322,8 +330,11 @@ class _Run:
             kind, value = outcome
             if kind == "complete":
                 self._free_slot_once(held)
-                with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT):
-                    await self.completions_in.send((held, value))
+                try:  # the common case: room in the channel, no scopes to enter
+                    self.completions_in.send_nowait((held, value))
+                except trio.WouldBlock:
+                    with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT):
+                        await self.completions_in.send((held, value))
                 return
             if kind == "snooze":
                 await self._report_snooze(held, float(value))
@@ -505,8 +516,8 @@ async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _invoke(handler: Handler, job: Job) -> Any:
-    if inspect.iscoroutinefunction(handler):
+async def _invoke(handler: Handler, job: Job, is_async: bool) -> Any:
+    if is_async:
         return await handler(job)
     # A sync handler runs in a thread; on cancel the thread is abandoned and
     # job.cancelled is set so a cooperative handler can stop. Made here, before the thread
@@ -514,12 +525,14 @@ async def _invoke(handler: Handler, job: Job) -> Any:
     job.cancelled  # noqa: B018
     return await trio.to_thread.run_sync(handler, job, abandon_on_cancel=True)
 
+def _wall_to_trio() -> float:
+    """What to add to a POSIX timestamp to get the Trio clock reading of that instant."""
+    return trio.current_time() - time.time()
 
 
 def _trio_time_of(when: dt.datetime) -> float:
     """The Trio clock reading at wall-clock instant ``when``."""
-    now = dt.datetime.now(dt.UTC)
-    return trio.current_time() + (when - now).total_seconds()
+    return _wall_to_trio() + when.timestamp()
 
 
 def _describe(exc: BaseException) -> str:

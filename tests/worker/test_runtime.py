@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import fenceline
+from fenceline.db.listener import Listener
 from fenceline.engine.calls import EngineInputError
-from fenceline.worker.runtime import Worker
+from fenceline.worker.runtime import NOTIFY_CHANNEL, Worker
 from tests.engine.conftest import Engine
 
 WAIT = 20.0
@@ -163,6 +165,47 @@ async def test_a_lost_lease_cancels_the_handler_within_one_heartbeat(engine: Eng
                       (job_id,)) == "lost"
     assert engine.val("select count(*) from fl.fence_violations where attempted = 'heartbeat'"
                       ) == 1
+
+
+async def test_a_full_worker_sleeps_through_notifications(engine: Engine, dsn: str) -> None:
+    """Every slot busy and new work notified: the claim loop wakes, sees no free slot and
+    waits again. It used to keep the wake-up set and spin until a slot freed: a worker whose
+    long jobs filled its slots burned a core for as long as its queue got submissions."""
+    queue = engine.make_queue()
+    engine.submit(queue, "hold")
+    worker = Worker(str(queue), concurrency=1)
+    started, release = trio.Event(), trio.Event()
+
+    @worker.handler("hold")
+    async def hold(job: fenceline.Job) -> None:
+        started.set()
+        await release.wait()
+
+    listener = Listener(dsn, name="test")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(listener.run)
+        with listener.subscribe(NOTIFY_CHANNEL) as seen:
+            await listener.wait_listening(NOTIFY_CHANNEL)
+            async with trio.open_nursery() as worker_nursery:
+                draining = trio.Event()
+                await worker_nursery.start(lambda task_status: worker.run(
+                    dsn, draining=draining, listener=listener, task_status=task_status))
+                with trio.fail_after(WAIT):
+                    await started.wait()
+                engine.submit(queue, "hold")  # notifies the queue while the only slot is busy
+                with trio.fail_after(WAIT):
+                    while await seen.receive() != str(queue):
+                        pass
+                # The worker's subscription was handed the same payload. A spinning claim
+                # loop is always runnable, so the program would never be all blocked.
+                with trio.fail_after(5):
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                release.set()
+                await wait_for(engine,
+                               "select count(*) = 2 from fl.jobs where status = 'completed'")
+                draining.set()
+        nursery.cancel_scope.cancel()  # the listener
+    assert worker.stats.completed == 2
 
 
 async def test_a_stale_completion_is_fenced_and_changes_nothing(engine: Engine,
