@@ -90,7 +90,7 @@ def test_promote_sweep_moves_due_jobs_of_every_queue(eng: Engine) -> None:
 
 def test_state_changes_notify_the_queue_at_commit(eng: Engine) -> None:
     q = eng.make_queue()
-    w = eng.worker(q)
+    eng.worker(q)
     listener = psycopg.connect(eng.dsn, autocommit=True)
     try:
         listener.execute("listen fl_queue")
@@ -100,10 +100,27 @@ def test_state_changes_notify_the_queue_at_commit(eng: Engine) -> None:
         writer.commit()
         got = list(listener.notifies(timeout=5, stop_after=1))
         assert [n.payload for n in got] == [str(q)]
-        job = eng.claim_one(q, w)
-        eng.complete(w, [(job["job_id"], job["fence"])])
-        got = list(listener.notifies(timeout=5, stop_after=1))
-        assert [n.payload for n in got] == [str(q)]
+    finally:
+        listener.close()
+
+
+def test_a_completion_wakes_workers_only_where_it_frees_room_under_a_cap(eng: Engine) -> None:
+    # A completion adds no work; the only worker it can unblock is one refused with cap_full.
+    # Waking every worker of an uncapped queue made them claim a few slots at a time
+    # (migration 0011).
+    free, capped = eng.make_queue(), eng.make_queue(max_concurrency=4)
+    listener = psycopg.connect(eng.dsn, autocommit=True)
+    try:
+        listener.execute("listen fl_queue")
+        for q in (free, capped):
+            w = eng.worker(q)
+            eng.submit(q)
+            job = eng.claim_one(q, w)
+            list(listener.notifies(timeout=0.2))  # the submission's
+            eng.complete(w, [(job["job_id"], job["fence"])])
+            got = [n.payload for n in listener.notifies(timeout=1 if q == free else 5,
+                                                       stop_after=1)]
+            assert got == ([] if q == free else [str(q)])
     finally:
         listener.close()
 
