@@ -49,8 +49,10 @@ stream's task and slot go with it (tests/api/test_stream_slow_client.py).
 (so a logout or a removed membership ends the stream within one cycle, reference W12) and up
 to 1,000 events. A cycle runs every second, and sooner on a wake-up: while at least one
 stream is open the process holds one LISTEN connection (fenceline/db/listener.py) on
-``fl_queue``, which every state change notifies at commit; any notification wakes every
-stream (at most one cycle per stream per 50 ms). A lost notification costs at most a second.
+``fl_queue``, which every state change that may concern a worker notifies at commit, and on
+``fl_events``, which a completion on a queue without a cap notifies instead (migration 0011:
+it concerns no worker); any notification wakes every stream (at most one cycle per stream
+per 50 ms). A lost notification costs at most a second.
 An event is readable only once every older writing transaction has ended (events.py); when a
 cycle finds committed events still waiting behind one, it looks again after 50 ms, 100 ms,
 ... up to the poll interval, since that transaction's end may notify nothing.
@@ -61,6 +63,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -89,7 +92,8 @@ TOKEN_SUBPROTOCOL = "fl.token."
 MAX_STREAMS = 4               # per user or API key, per API process
 RETRY_AFTER = "30"
 FRAME_EVENTS = 1000
-CHANNEL = "fl_queue"
+# Workers' wake-ups, and completions no worker needs (0011): every stream wakes on either.
+CHANNELS = ("fl_queue", "fl_events")
 
 CLOSE_UNAUTHENTICATED = 4001
 CLOSE_FORBIDDEN = 4003
@@ -158,17 +162,24 @@ class Hub:
         try:
             with scope:
                 listener = Listener(conninfo, name="api-events")
-                with listener.subscribe(CHANNEL, buffer=1) as wakeups:
+                with ExitStack() as subscriptions:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(listener.run)
-                        async for _ in wakeups:
-                            self.wake()
+                        for channel in CHANNELS:
+                            wakeups = subscriptions.enter_context(
+                                listener.subscribe(channel, buffer=1))
+                            nursery.start_soon(self._wake_on, wakeups)
         except Exception:
             # Wake-ups are an optimisation: streams still poll every cycle.
             log.exception("event stream wake-ups stopped; streams fall back to polling")
         finally:
             if self._listening is scope:
                 self._listening = None
+
+
+    async def _wake_on(self, wakeups: trio.MemoryReceiveChannel[str]) -> None:
+        async for _ in wakeups:
+            self.wake()
 
 
 def install(app: QuartTrio) -> None:

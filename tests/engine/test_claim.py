@@ -90,7 +90,6 @@ def test_promote_sweep_moves_due_jobs_of_every_queue(eng: Engine) -> None:
 
 def test_state_changes_notify_the_queue_at_commit(eng: Engine) -> None:
     q = eng.make_queue()
-    eng.worker(q)
     listener = psycopg.connect(eng.dsn, autocommit=True)
     try:
         listener.execute("listen fl_queue")
@@ -106,21 +105,22 @@ def test_state_changes_notify_the_queue_at_commit(eng: Engine) -> None:
 
 def test_a_completion_wakes_workers_only_where_it_frees_room_under_a_cap(eng: Engine) -> None:
     # A completion adds no work; the only worker it can unblock is one refused with cap_full.
-    # Waking every worker of an uncapped queue made them claim a few slots at a time
-    # (migration 0011).
+    # Without a cap it notifies fl_events instead, which event streams hear and workers do not
+    # listen on (migration 0011).
     free, capped = eng.make_queue(), eng.make_queue(max_concurrency=4)
     listener = psycopg.connect(eng.dsn, autocommit=True)
     try:
         listener.execute("listen fl_queue")
+        listener.execute("listen fl_events")
         for q in (free, capped):
             w = eng.worker(q)
             eng.submit(q)
             job = eng.claim_one(q, w)
-            list(listener.notifies(timeout=0.2))  # the submission's
+            assert [(n.channel, n.payload) for n in listener.notifies(timeout=5, stop_after=1)
+                    ] == [("fl_queue", str(q))]  # the submission's
             eng.complete(w, [(job["job_id"], job["fence"])])
-            got = [n.payload for n in listener.notifies(timeout=1 if q == free else 5,
-                                                       stop_after=1)]
-            assert got == ([] if q == free else [str(q)])
+            got = [(n.channel, n.payload) for n in listener.notifies(timeout=5, stop_after=1)]
+            assert got == [("fl_events" if q == free else "fl_queue", str(q))]
     finally:
         listener.close()
 

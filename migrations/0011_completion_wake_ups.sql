@@ -1,32 +1,39 @@
--- 0011: a completion wakes other workers only where it frees room under a concurrency cap.
+-- 0011: a completion wakes workers only where it frees room under a concurrency cap; event
+-- streams still hear every completion, on a channel of their own.
 --
--- 0004's fl.complete called pg_notify('fl_queue', queue) for every batch it completed. A
--- completion adds no claimable work; the only worker it can unblock is one that was refused
--- with cap_full. On a queue without a cap the notification woke every listening worker for
--- nothing: each woke its claim loop, which then claimed the few slots free at that moment
--- instead of the full batch a moment later. In the burn-down (20,000 no-op jobs, one worker
--- at concurrency 16) commits per job fell from 0.186 to 0.125 without it and jobs/s rose by
--- about 10 % (docs/DECISIONS.md R7).
+-- 0004's fl.complete called pg_notify('fl_queue', queue) for every batch it completed, and
+-- every worker LISTENs on fl_queue. A completion adds no claimable work; the only worker it
+-- can unblock is one refused with cap_full. On a queue without a cap each notification woke
+-- every worker's listener and claim loop for nothing. In the burn-down (20,000 no-op jobs,
+-- one worker at concurrency 16) that cost about 10 % of jobs/s: 1.60x pgqueuer with it,
+-- 1.69x with the notification moved to a channel no worker listens on, 1.72-1.78x without
+-- any (docs/DECISIONS.md R7).
+--
+-- The API's event streams wake on notifications so that a reader sees a completion at once
+-- instead of at its next poll (up to a second later), and session 2 kept the notification
+-- for that reason (D20). So it is kept, moved: an uncapped queue's completions notify
+-- fl_events, which the streams LISTEN on beside fl_queue and workers do not. A capped queue's
+-- completions notify fl_queue, which wakes both.
 --
 -- Everything else that wakes workers is unchanged: submissions, releases, promotions,
--- retries that are due (fl._fail_running still notifies: the reaper's retries are due at
--- once), dependents becoming queued (the jobs_settle_dependents trigger) and a breaker
--- closing (fl._breaker_successes) all still notify their queue.
+-- retries (fl._fail_running still notifies fl_queue: the reaper's retries are due at once),
+-- dependents becoming queued (the jobs_settle_dependents trigger) and a breaker closing
+-- (fl._breaker_successes) all still notify their queue on fl_queue.
 --
 -- fl.complete below is 0004's body with one line changed (fl._notify_queues ->
--- fl._notify_room); a migration that changes a function has to restate all of it.
+-- fl._notify_completed); a migration that changes a function has to restate all of it.
 
--- Notify the queues in the list that have a concurrency cap. Duplicates are fine: pg_notify
--- drops repeats within a transaction. A cap set concurrently with the completion may miss
--- this wake-up; the waiting worker's poll (1 s by default) covers it.
-create function fl._notify_room(p_queues uuid[]) returns void
+-- One notification per queue in the list: fl_queue where the queue has a concurrency cap
+-- (a waiting worker may now fit), fl_events where it has none. A cap set concurrently with
+-- the completion may miss its wake-up; the waiting worker's poll (1 s by default) covers it.
+create function fl._notify_completed(p_queues uuid[]) returns void
 language plpgsql as $$
 declare
-    q uuid;
+    r record;
 begin
-    for q in select x.id from fl.queues x
-              where x.id = any(p_queues) and x.max_concurrency is not null loop
-        perform pg_notify('fl_queue', q::text);
+    for r in select x.id, x.max_concurrency is not null as capped
+               from fl.queues x where x.id = any(p_queues) loop
+        perform pg_notify(case when r.capped then 'fl_queue' else 'fl_events' end, r.id::text);
     end loop;
 end;
 $$;
@@ -97,7 +104,7 @@ begin
 
     if v_ids is not null then
         perform fl._breaker_successes(v_queues, v_ids, v_fences, v_now);
-        perform fl._notify_room(v_queues);
+        perform fl._notify_completed(v_queues);
     end if;
 
     if coalesce(cardinality(v_ids), 0) < n then
