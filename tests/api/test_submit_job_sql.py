@@ -1,5 +1,6 @@
 """fl.submit_job's direct path (migrations/0010) against fl._submit_jobs, which it used to
-call for every job: the same answers, rows and events, the same errors in the same order."""
+call for every job: the same answers, rows and events, the same errors in the same order; and
+fl.submit, a front of that path since 0012, against fl.submit_job."""
 
 from __future__ import annotations
 
@@ -124,3 +125,37 @@ async def test_direct_submit_job_answers_as_submit_jobs(conn: TrioConnection[Any
     got = await _run(conn, new, args)
     want = await _run(conn, old, (args[0], "t", None, None, None, None, None, None, "{}"))
     assert got == want and got[1][0][0] == "queue_full"
+
+
+async def test_submit_is_submit_job_with_its_delay_in_seconds(conn: TrioConnection[Any],
+                                                               api: Api, tenant: Tenant,
+                                                               clock: Clock) -> None:
+    # 0012: fl.submit hands everything to fl.submit_job but its delay, which it checks itself
+    # (FL003, as in 0004) and passes on in milliseconds.
+    await clock.set(NOW.isoformat())
+    [(policy,)] = await api.sql("insert into fl.retry_policies (project_id, name) values (%s,"
+                                " 'other') returning id", tenant.project_id)
+    [(foreign,)] = await api.sql("select id from fl.retry_policies where project_id = %s",
+                                 tenant.other_project_id)
+    front = ("select outcome, job_id, status::text, run_at"
+             "  from fl.submit(%s, %s, %s::jsonb, %s, %s::timestamptz, %s::float8, %s, %s)")
+    job = ("select outcome, job_id, status::text, run_at"
+           "  from fl.submit_job(%s, %s, %s::jsonb, %s, %s::timestamptz, %s, %s, %s)")
+    compared = refused_delays = 0
+    for case in _cases(policy, foreign):
+        if "depends_on" in case:
+            continue  # fl.submit takes no parents
+        a = {"queue": tenant.queue_id, "payload": json.dumps({}), **case}
+        if "payload" in case and case["payload"] is not None and case["payload"] != "null":
+            a["payload"] = json.dumps(case["payload"])
+        args = tuple(a.get(k) for k in ARGS[:8])
+        delay_ms = a.get("delay_ms")
+        got = await _run(conn, front, (*args[:5], None if delay_ms is None else delay_ms / 1000,
+                                       *args[6:]))
+        if delay_ms is not None and not 0 <= delay_ms <= 315_360_000_000:
+            assert got[:2] == ("error", "FL003"), (case, got)
+            refused_delays += 1
+            continue
+        assert got == await _run(conn, job, args), case
+        compared += 1
+    assert compared > 20 and refused_delays == 3
