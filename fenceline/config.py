@@ -85,6 +85,13 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def parse_days(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value != value or value > 36500:
+        raise ValueError("must be a number of days above 0 and at most 36500")
+    return value
+
+
 def parse_module_name(text: str) -> str:
     name = text.strip()
     if not name or not all(part.isidentifier() for part in name.split(".")):
@@ -172,6 +179,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("orphan_interval", "--orphan-interval", "FENCELINE_ORPHAN_INTERVAL",
             parse_seconds, "15", "Scheduler role: seconds between lease-orphan and "
             "worker-liveness passes."),
+    Setting("events_retention_days", "--events-retention-days",
+            "FENCELINE_EVENTS_RETENTION_DAYS", parse_days, "7",
+            "Scheduler role: days the event outbox keeps an event; older ones are deleted "
+            "(a reader behind them gets 410 cursor_too_old)."),
 )
 
 
@@ -200,6 +211,7 @@ class Settings:
     promoter_interval: float = 1.0
     breaker_interval: float = 1.0
     orphan_interval: float = 15.0
+    events_retention_days: float = 7.0
 
     @property
     def embedded(self) -> bool:

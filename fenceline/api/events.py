@@ -18,10 +18,11 @@ need to know the low-water mark to start).
 list them in ``payload.jobs``). They are passed through as written, one event each; a client
 that wants one entry per job expands ``payload.jobs`` itself.
 
-**Retention.** No retention job exists yet. The contract for one: it deletes a project's
-events up to a position, only below the xmin above, and records the last position it dropped
-in ``fl.events_retention`` in the same transaction (migrations/0008_events.sql). A cursor
-below that position answers 410 ``cursor_too_old`` with ``oldest``, a cursor to resume from
+**Retention.** The scheduler's ``events-retention`` sweep (``fl.prune_events``,
+migrations/0013_events_retention.sql; ``--events-retention-days``, default 7) deletes old
+events, only below the xmin above, and records per project the last position it dropped in
+``fl.events_retention`` in the same transaction (migrations/0008_events.sql). A cursor below
+that position answers 410 ``cursor_too_old`` with ``oldest``, a cursor to resume from
 (reference W11: the 410 is machine-readable).
 """
 

@@ -33,3 +33,4 @@ class Lock(enum.IntEnum):
     SUMMARIES = 19
     LEASE_ORPHANS = 20
     WORKER_LIVENESS = 21
+    EVENTS_RETENTION = 22

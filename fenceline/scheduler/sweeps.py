@@ -16,6 +16,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 import trio
@@ -32,11 +33,13 @@ SWEEP_TIMEOUT = 30.0
 @dataclass(frozen=True)
 class Sweep:
     name: str
-    # A statement returning one integer: how many rows the pass changed.
+    # A statement returning one integer: how many rows the pass changed. Its parameters are
+    # %(batch)s and whatever ``params`` gives.
     sql: str
     # How many rows a pass handles at most; a pass that hits it runs again at once.
     batch: int | None
     interval: Callable[[Settings], float]
+    params: Callable[[Settings], dict[str, Any]] = lambda s: {}
 
 
 SWEEPS = (
@@ -53,6 +56,10 @@ SWEEPS = (
     # Workers not heard from are marked dead (their leases lapse and are reaped).
     Sweep("worker-liveness", "select fl.mark_dead_workers()", None,
           lambda s: s.orphan_interval),
+    # Events older than the retention leave the outbox (migration 0013).
+    Sweep("events-retention",
+          "select fl.prune_events(%(batch)s, make_interval(secs => %(keep_s)s))", 5000,
+          lambda s: 60.0, lambda s: {"keep_s": s.events_retention_days * 86400.0}),
 )
 
 
@@ -60,7 +67,8 @@ async def run_once(ctx: ServiceContext, sweep: Sweep) -> int:
     """One pass of ``sweep``: the number of rows it changed."""
     with trio.fail_after(SWEEP_TIMEOUT):
         async with ctx.pool.connection() as conn:
-            cur = await conn.execute(sweep.sql.encode(), {"batch": sweep.batch})
+            cur = await conn.execute(sweep.sql.encode(),
+                                     {"batch": sweep.batch, **sweep.params(ctx.settings)})
             row = await cur.fetchone()
     return int(row[0]) if row is not None and row[0] is not None else 0
 

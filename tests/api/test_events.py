@@ -221,11 +221,13 @@ async def test_a_cursor_behind_retention_is_gone_with_the_oldest_cursor(
                          " order by txid, id", tenant.project_id)
     positions = [Position(int(t), i) for t, i in rows]
     assert [p.id for p in positions] == [e["id"] for e in items]
-    # What a retention pass does: drop the first two events, record the last one dropped.
-    await api.sql("delete from fl.events where id = any(%s)", [positions[0].id, positions[1].id])
-    await api.sql("insert into fl.events_retention (project_id, txid, id)"
-                  " values (%s, %s::xid8, %s)",
-                  tenant.project_id, str(positions[1].txid), positions[1].id)
+    # A retention pass (fl.prune_events, 0013) eight days on drops the first two events and
+    # records the last one it dropped.
+    await api.sql("select set_config('fl.testing', 'on', false),"
+                  " set_config('fl.now', (now() + interval '8 days')::text, false)")
+    assert await api.sql("select fl.prune_events(2, interval '7 days')") == [(2,)]
+    assert await api.sql("select txid::text, id from fl.events_retention where project_id = %s",
+                         tenant.project_id) == [(str(positions[1].txid), positions[1].id)]
     oldest = positions[1].encode()
 
     for after in (Position(0, 0).encode(), None):

@@ -71,6 +71,18 @@ def test_every_sweep_is_a_service_with_its_interval() -> None:
     assert sweep("reaper").interval(settings) == 2.5
 
 
+async def test_the_events_sweep_keeps_the_configured_days(engine: Engine, dsn: str) -> None:
+    queue = engine.make_queue()
+    engine.submit(queue)
+    later = (engine.now + dt.timedelta(days=2)).isoformat()
+    options = f"-c fl.testing=on -c fl.now={later.replace(' ', 'T')}"
+    async with open_pool(dsn, max_size=1, connect_kwargs={"options": options}) as pool:
+        for days, dropped in ((3.0, 0), (1.5, 1)):
+            ctx = ServiceContext(Settings(events_retention_days=days), Readiness(), pool)
+            assert await run_once(ctx, sweep("events-retention")) == dropped
+    assert engine.val("select count(*) from fl.events") == 0
+
+
 async def test_an_unreachable_database_skips_passes_instead_of_crashing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
