@@ -60,6 +60,11 @@ SWEEPS = (
     Sweep("events-retention",
           "select fl.prune_events(%(batch)s, make_interval(secs => %(keep_s)s))", 5000,
           lambda s: 60.0, lambda s: {"keep_s": s.events_retention_days * 86400.0}),
+    # Idempotency keys past their 24 hours that nobody sent again. Not single-runner (0006's
+    # function takes no lock), and need not be: two passes deleting the same expired keys
+    # only wait on each other's row locks.
+    Sweep("idempotency-keys", "select fl.prune_idempotency_keys(%(batch)s)", 5000,
+          lambda s: 60.0),
 )
 
 

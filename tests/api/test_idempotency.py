@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+import pytest
 import trio
 
+from fenceline.config import Settings
+from fenceline.db.pool import open_pool
+from fenceline.readiness import Readiness
+from fenceline.scheduler.sweeps import SWEEPS, run_once
+from fenceline.service import ServiceContext
 from tests.api.conftest import Api, Tenant
 
 
@@ -75,6 +82,28 @@ async def test_keys_are_per_queue_and_expire(api: Api, tenant: Tenant) -> None:
     c = await post(api, tenant, {"type": "other"}, "k")
     assert c.status == 201
     assert await count(api, "fl.idempotency_keys") == 2
+
+
+async def test_a_sweep_deletes_expired_keys_that_were_never_used_again(
+        api: Api, tenant: Tenant, dsn: str) -> None:
+    # The scheduler's idempotency-keys sweep: a key a client never sends again would otherwise
+    # stay for ever (a submission deletes only its own expired key).
+    for key in ("a", "b", "c"):
+        assert (await post(api, tenant, {"type": "t"}, key)).status == 201
+    await api.sql("update fl.idempotency_keys set expires_at = now() - interval '1 second'"
+                  " where key <> 'c'")
+    async with open_pool(dsn, max_size=1) as pool:
+        ctx = ServiceContext(Settings(), Readiness(), pool)
+        assert await run_once(ctx, next(s for s in SWEEPS if s.name == "idempotency-keys")) == 2
+    assert await api.sql("select fl.prune_idempotency_keys(100)") == [(0,)]
+    assert await api.sql("select key from fl.idempotency_keys") == [("c",)]
+    # The live key still answers with its job; a pruned one is new again.
+    assert (await post(api, tenant, {"type": "t"}, "c")).status == 200
+    assert (await post(api, tenant, {"type": "other"}, "a")).status == 201
+    for bad in (0, None, 1000001):
+        with pytest.raises(psycopg.Error) as refused:
+            await api.sql("select fl.prune_idempotency_keys(%s)", bad)
+        assert refused.value.sqlstate == "FL005"
 
 
 async def test_bad_keys_are_400(api: Api, tenant: Tenant) -> None:
