@@ -63,7 +63,6 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -162,13 +161,10 @@ class Hub:
         try:
             with scope:
                 listener = Listener(conninfo, name="api-events")
-                with ExitStack() as subscriptions:
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(listener.run)
-                        for channel in CHANNELS:
-                            wakeups = subscriptions.enter_context(
-                                listener.subscribe(channel, buffer=1))
-                            nursery.start_soon(self._wake_on, wakeups)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(listener.run)
+                    for channel in CHANNELS:
+                        nursery.start_soon(self._wake_on, listener, channel)
         except Exception:
             # Wake-ups are an optimisation: streams still poll every cycle.
             log.exception("event stream wake-ups stopped; streams fall back to polling")
@@ -176,10 +172,10 @@ class Hub:
             if self._listening is scope:
                 self._listening = None
 
-
-    async def _wake_on(self, wakeups: trio.MemoryReceiveChannel[str]) -> None:
-        async for _ in wakeups:
-            self.wake()
+    async def _wake_on(self, listener: Listener, channel: str) -> None:
+        with listener.subscribe(channel, buffer=1) as wakeups:
+            async for _ in wakeups:
+                self.wake()
 
 
 def install(app: QuartTrio) -> None:

@@ -58,7 +58,6 @@ class _Held:
 
     job: Job
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    deadline: float = 0.0  # the handler's deadline on the Trio clock
     started: bool = False
     slot_freed: bool = False
     cancel_reason: str | None = None  # lost | cancel_requested | drain
@@ -268,7 +267,10 @@ class _Run:
         job = Job(id=claimed.id, type=claimed.type, payload=claimed.payload,
                   fence=claimed.fence, attempt=claimed.attempt, queue_id=self.queue_id,
                   deadline_at=claimed.deadline_at)
-        held = _Held(job, deadline=wall_to_trio + claimed.deadline_at.timestamp())
+        held = _Held(job)
+        # One scope for both ways a handler is stopped: its deadline, and a cancel with a
+        # reason (lease lost, cancel requested, drain). No reason means the deadline.
+        held.scope.deadline = wall_to_trio + claimed.deadline_at.timestamp()
         self.held[job.id] = held
         self.running += 1
         self.w.stats.claimed += 1
@@ -309,9 +311,6 @@ class _Run:
                 return
             held.started = True
             outcome: tuple[str, Any] | None = None
-            # One scope for both ways a handler is stopped: its deadline, and a cancel with a
-            # reason (lease lost, cancel requested, drain). No reason means the deadline.
-            held.scope.deadline = held.deadline
             with held.scope:
                 try:
                     result = await _invoke(handler, job, self.is_async[job.type])

@@ -61,6 +61,23 @@ ARGS = ("queue", "type", "payload", "priority", "run_at", "delay_ms", "timeout_m
         "retry_policy", "depends_on")
 
 
+async def _argument_rows(api: Api, tenant: Tenant) -> list[tuple[dict[str, Any],
+                                                                   dict[str, Any]]]:
+    """Each case of _cases with its arguments by name (queue filled in, payload as JSON text),
+    with a second policy of the tenant's project and one of another project."""
+    [(policy,)] = await api.sql("insert into fl.retry_policies (project_id, name) values (%s,"
+                                " 'other') returning id", tenant.project_id)
+    [(foreign,)] = await api.sql("select id from fl.retry_policies where project_id = %s",
+                                 tenant.other_project_id)
+    rows = []
+    for case in _cases(policy, foreign):
+        a = {"queue": tenant.queue_id, "payload": json.dumps({}), **case}
+        if "payload" in case and case["payload"] is not None and case["payload"] != "null":
+            a["payload"] = json.dumps(case["payload"])
+        rows.append((case, a))
+    return rows
+
+
 async def _run(conn: TrioConnection[Any], sql: str, args: tuple[Any, ...]) -> Any:
     """Answer rows plus what was written (job, event), or the error; then roll back."""
     await conn.execute("begin")
@@ -85,10 +102,7 @@ async def _run(conn: TrioConnection[Any], sql: str, args: tuple[Any, ...]) -> An
 async def test_direct_submit_job_answers_as_submit_jobs(conn: TrioConnection[Any], api: Api,
                                                         tenant: Tenant, clock: Clock) -> None:
     await clock.set(NOW.isoformat())
-    [(policy,)] = await api.sql("insert into fl.retry_policies (project_id, name) values (%s,"
-                                " 'other') returning id", tenant.project_id)
-    [(foreign,)] = await api.sql("select id from fl.retry_policies where project_id = %s",
-                                 tenant.other_project_id)
+    cases = await _argument_rows(api, tenant)
     new = ("select outcome, job_id, status::text, priority, run_at, created_at, detail"
            "  from fl.submit_job(%s, %s, %s::jsonb, %s, %s::timestamptz, %s, %s, %s,"
            "                     %s::bigint[])")
@@ -102,10 +116,7 @@ async def test_direct_submit_job_answers_as_submit_jobs(conn: TrioConnection[Any
            "           'depends_on', to_jsonb(%s::bigint[])))"
            "           || jsonb_build_object('payload', %s::jsonb)), false, null, null) r")
     checked = 0
-    for case in _cases(policy, foreign):
-        a = {"queue": tenant.queue_id, "payload": json.dumps({}), **case}
-        if "payload" in case and case["payload"] is not None and case["payload"] != "null":
-            a["payload"] = json.dumps(case["payload"])
+    for case, a in cases:
         args = tuple(a.get(k) for k in ARGS)
         got = await _run(conn, new, args)
         if args[2] is None or args[8] == [None]:
@@ -133,21 +144,15 @@ async def test_submit_is_submit_job_with_its_delay_in_seconds(conn: TrioConnecti
     # 0012: fl.submit hands everything to fl.submit_job but its delay, which it checks itself
     # (FL003, as in 0004) and passes on in milliseconds.
     await clock.set(NOW.isoformat())
-    [(policy,)] = await api.sql("insert into fl.retry_policies (project_id, name) values (%s,"
-                                " 'other') returning id", tenant.project_id)
-    [(foreign,)] = await api.sql("select id from fl.retry_policies where project_id = %s",
-                                 tenant.other_project_id)
+    cases = await _argument_rows(api, tenant)
     front = ("select outcome, job_id, status::text, run_at"
              "  from fl.submit(%s, %s, %s::jsonb, %s, %s::timestamptz, %s::float8, %s, %s)")
     job = ("select outcome, job_id, status::text, run_at"
            "  from fl.submit_job(%s, %s, %s::jsonb, %s, %s::timestamptz, %s, %s, %s)")
     compared = refused_delays = 0
-    for case in _cases(policy, foreign):
+    for case, a in cases:
         if "depends_on" in case:
             continue  # fl.submit takes no parents
-        a = {"queue": tenant.queue_id, "payload": json.dumps({}), **case}
-        if "payload" in case and case["payload"] is not None and case["payload"] != "null":
-            a["payload"] = json.dumps(case["payload"])
         args = tuple(a.get(k) for k in ARGS[:8])
         delay_ms = a.get("delay_ms")
         got = await _run(conn, front, (*args[:5], None if delay_ms is None else delay_ms / 1000,
